@@ -1,0 +1,92 @@
+"""The one entry point: tests, lint, wheel builds, GPU checks and benchmarks.
+
+nox -s tests          fresh venv, CPU torch, every package, pytest over all CPU tests (default)
+nox -s lint           ruff check and ruff format --check
+nox -s build          sdists and wheels of every package into dist/, each installed and imported
+nox -s gpu            GPU tests and kernel benchmarks with the current interpreter (an H200)
+nox -s bench          CPU benchmarks (block manager)
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = [
+    p.name for p in sorted((ROOT / "packages").iterdir()) if (p / "pyproject.toml").is_file()
+]
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
+TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging")
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+
+def install_packages(session: nox.Session, *, cuda: bool) -> None:
+    """Install every package of the monorepo (and torch, constrained to the CPU build)."""
+    args = [] if cuda else ["-Ccmake.define.NANO_KVCACHE_CUDA=OFF"]
+    extras = {"kvcache": "[torch]"}
+    targets = [f"{ROOT / 'packages' / name}{extras.get(name, '')}" for name in PACKAGES]
+    session.install(*CONSTRAINTS, *args, *targets)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run every CPU test against freshly installed packages."""
+    session.install(*CONSTRAINTS, *TEST_REQUIREMENTS)
+    install_packages(session, cuda=False)
+    test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
+    session.run("pytest", "-m", "not gpu", *test_dirs, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Lint and check formatting with ruff."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build sdists and wheels (wheels from the sdists), install each into a clean venv."""
+    session.install("build")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{name}")
+    wheels = sorted(str(w) for w in dist.glob("*.whl"))
+    tmp = Path(session.create_tmp())
+    # Every wheel together, with CPU torch: each package imports.
+    full = tmp / "venv-all"
+    session.run("python", "-m", "venv", "--clear", str(full))
+    session.run(str(full / "bin/pip"), "install", "-q", *CONSTRAINTS, *wheels, external=True)
+    for name in PACKAGES:
+        session.run(str(full / "bin/python"), "-c", f"import nano_{name}", external=True)
+    session.run(str(full / "bin/python"), "-c", "import nano_kvcache.ops", external=True)
+    # nano-kvcache alone, without torch: its tests run (the torch ones skip).
+    bare = tmp / "venv-kvcache"
+    session.run("python", "-m", "venv", "--clear", str(bare))
+    kvcache = [w for w in wheels if Path(w).name.startswith("nano_kvcache-")]
+    session.run(str(bare / "bin/pip"), "install", "-q", *kvcache, *TEST_REQUIREMENTS, external=True)
+    no_torch = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    session.run(str(bare / "bin/python"), "-c", no_torch, external=True)
+    session.run(
+        str(bare / "bin/python"), "-m", "pytest", "-q", "packages/kvcache/tests", external=True
+    )
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """GPU tests and kernel benchmarks with this interpreter (what runs on the H200)."""
+    session.run("bash", "scripts/gpu_check.sh", *session.posargs, external=True)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks: block manager bookkeeping."""
+    install_packages(session, cuda=False)
+    session.run("python", "benchmarks/bench_block_manager.py", *session.posargs)

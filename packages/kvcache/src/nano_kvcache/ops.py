@@ -1,0 +1,296 @@
+"""KV-store ops: validated wrappers over the CUDA extension, with torch implementations.
+
+CUDA tensors go to the compiled extension when it is built; CPU tensors, or any tensors when it is
+not, go to the torch implementations (``*_torch``), which are also the reference of the GPU tests.
+Every wrapper raises ``ValueError`` on a dtype, device, shape or contiguity mismatch. The cache
+layout is described in ``nano_kvcache.layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nano_kvcache import __version__
+from nano_kvcache.layout import SUPPORTED_DTYPES
+
+
+def _load_extension():
+    try:
+        from nano_kvcache import _C
+    except ImportError:
+        return None
+    if _C.__version__ != __version__:
+        raise ImportError(
+            f"nano_kvcache's compiled extension is version {_C.__version__} but the package is "
+            f"{__version__}; reinstall nano-kvcache so that both come from one build"
+        )
+    return _C
+
+
+_C = _load_extension()
+
+
+def extension_available() -> bool:
+    """Whether the compiled CUDA extension is installed (it runs only on CUDA tensors)."""
+    return _C is not None
+
+
+def _use_extension(tensor: torch.Tensor) -> bool:
+    return _C is not None and tensor.is_cuda
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_same_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    for t in tensors[1:]:
+        _require(t.device == device, f"all tensors must be on {device}, found one on {t.device}")
+
+
+# ---- store_kvcache -------------------------------------------------------------------------------
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the K and V of N new tokens into one layer's paged cache.
+
+    key, value: [N, num_kv_heads, head_dim], fp16/bf16/fp32, last dim contiguous, any token and
+    head strides. k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], contiguous,
+    same dtype. slot_mapping: int32/int64 [N]; token i goes to slot ``slot_mapping[i]``; slots
+    < 0 are padding and skipped (the CUDA kernel also skips slots past the cache).
+    """
+    _require(key.dim() == 3, f"key must be [N, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    _require(value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}")
+    _require(
+        k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+        "k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}",
+    )
+    num_tokens, num_heads, head_dim = key.shape
+    _require(
+        k_cache.shape[1] == num_heads and k_cache.shape[3] == head_dim,
+        f"cache {tuple(k_cache.shape)} does not hold {num_heads} heads x {head_dim}",
+    )
+    _require(key.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}")
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _require(t.dtype == key.dtype, f"{name} is {t.dtype} but key is {key.dtype}")
+    _require(
+        slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64),
+        f"slot_mapping must be int32/int64 [{num_tokens}], "
+        f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}",
+    )
+    _check_same_device(key, value, k_cache, v_cache, slot_mapping)
+    _require(
+        key.stride(-1) == 1 and value.stride(-1) == 1, "key and value need a contiguous last dim"
+    )
+    _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "the caches must be contiguous")
+    _require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
+    if not _use_extension(key):
+        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+        return
+    elem = key.element_size()
+    _C.store_kvcache(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        slot_mapping.element_size(),
+        num_tokens,
+        k_cache.shape[0] * k_cache.shape[2],
+        num_heads,
+        head_dim * elem,
+        key.stride(0) * elem,
+        key.stride(1) * elem,
+        value.stride(0) * elem,
+        value.stride(1) * elem,
+        k_cache.shape[2],
+        key.device.index,
+        _stream(key.device),
+    )
+
+
+def store_kvcache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Torch implementation of ``store_kvcache`` (no validation)."""
+    block_size = k_cache.shape[2]
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < k_cache.shape[0] * block_size)
+    slots, key, value = slots[keep], key[keep], value[keep]
+    blocks, rows = slots // block_size, slots % block_size
+    k_cache[blocks, :, rows] = key
+    v_cache[blocks, :, rows] = value
+
+
+# ---- slot mapping --------------------------------------------------------------------------------
+
+
+def compute_slot_mapping(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    start_pos: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot and position of every new token, computed on the tensors' device.
+
+    block_tables: int32 [B, max_blocks], rows contiguous, -1 for no block. query_start_loc: int32
+    [B + 1], nondecreasing: sequence b's new tokens are ``query_start_loc[b]:query_start_loc[b+1]``.
+    start_pos: int32 [B], the position of each sequence's first new token. num_tokens: the length
+    of the outputs (>= query_start_loc[B]; the tokens past it are padding).
+    Returns (slot_mapping int64 [num_tokens], positions int64 [num_tokens]): slot =
+    block_tables[b, pos // block_size] * block_size + pos % block_size, or -1 for padding and for
+    positions without a block; positions are 0 for padding.
+    """
+    _require(
+        block_tables.dim() == 2 and block_tables.dtype == torch.int32,
+        f"block_tables must be int32 [B, max_blocks], got {block_tables.dtype} "
+        f"{tuple(block_tables.shape)}",
+    )
+    num_seqs = block_tables.shape[0]
+    for name, t, n in (
+        ("query_start_loc", query_start_loc, num_seqs + 1),
+        ("start_pos", start_pos, num_seqs),
+    ):
+        _require(
+            t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous(),
+            f"{name} must be contiguous int32 [{n}], got {t.dtype} {tuple(t.shape)}",
+        )
+    _require(block_tables.stride(-1) == 1, "block_tables rows must be contiguous")
+    _require(isinstance(block_size, int) and block_size >= 1, f"bad block_size {block_size!r}")
+    _require(isinstance(num_tokens, int) and num_tokens >= 0, f"bad num_tokens {num_tokens!r}")
+    _check_same_device(block_tables, query_start_loc, start_pos)
+    if not _use_extension(block_tables):
+        return compute_slot_mapping_torch(
+            block_tables, query_start_loc, start_pos, block_size, num_tokens
+        )
+    device = block_tables.device
+    slots = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    _C.compute_slot_mapping(
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        query_start_loc.data_ptr(),
+        start_pos.data_ptr(),
+        num_seqs,
+        block_size,
+        slots.data_ptr(),
+        positions.data_ptr(),
+        num_tokens,
+        device.index,
+        _stream(device),
+    )
+    return slots, positions
+
+
+def compute_slot_mapping_torch(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    start_pos: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch implementation of ``compute_slot_mapping`` (no validation; syncs on CUDA)."""
+    device = block_tables.device
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    num_seqs, max_blocks = block_tables.shape
+    if num_seqs == 0:
+        return slots, positions
+    qsl = query_start_loc.long()
+    first, end = int(qsl[0]), min(int(qsl[-1]), num_tokens)
+    if end <= first:
+        return slots, positions
+    tokens = torch.arange(first, end, device=device)
+    seq = torch.searchsorted(qsl, tokens, right=True) - 1
+    pos = start_pos.long()[seq] + tokens - qsl[seq]
+    index = pos // block_size
+    valid = (pos >= 0) & (index < max_blocks)
+    blocks = block_tables.long()[seq, index.clamp(0, max_blocks - 1)]
+    valid &= blocks >= 0
+    slots[first:end] = torch.where(valid, blocks * block_size + pos % block_size, -1)
+    positions[first:end] = pos
+    return slots, positions
+
+
+# ---- copy_blocks ---------------------------------------------------------------------------------
+
+
+def copy_blocks(
+    kv_cache: torch.Tensor, block_mapping: torch.Tensor | Sequence[tuple[int, int]]
+) -> None:
+    """Copy whole blocks src -> dst in every layer, keys and values (copy-on-write).
+
+    kv_cache: the contiguous [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim] cache
+    of ``KVCacheLayout.allocate``. block_mapping: int64 [P, 2] (src, dst) pairs, or a sequence of
+    pairs; no dst may also be a src. A mapping on the CPU is range-checked; one already on the
+    GPU is not (the kernel skips out-of-range pairs).
+    """
+    _require(
+        kv_cache.dim() == 6 and kv_cache.shape[1] == 2,
+        f"kv_cache must be [num_layers, 2, num_blocks, heads, block_size, head_dim], "
+        f"got {tuple(kv_cache.shape)}",
+    )
+    _require(kv_cache.is_contiguous(), "kv_cache must be contiguous")
+    if not isinstance(block_mapping, torch.Tensor):
+        block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
+    _require(
+        block_mapping.dim() == 2
+        and block_mapping.shape[1] == 2
+        and block_mapping.dtype == torch.int64,
+        f"block_mapping must be int64 [P, 2], got {block_mapping.dtype} "
+        f"{tuple(block_mapping.shape)}",
+    )
+    num_blocks = kv_cache.shape[2]
+    if block_mapping.device.type == "cpu" and block_mapping.numel():
+        low, high = int(block_mapping.min()), int(block_mapping.max())
+        _require(
+            low >= 0 and high < num_blocks,
+            f"block ids must be in [0, {num_blocks}), got [{low}, {high}]",
+        )
+        _require(
+            not set(block_mapping[:, 1].tolist()) & set(block_mapping[:, 0].tolist()),
+            "a dst block is also a src block",
+        )
+    block_mapping = block_mapping.to(kv_cache.device, non_blocking=True).contiguous()
+    if not _use_extension(kv_cache):
+        copy_blocks_torch(kv_cache, block_mapping)
+        return
+    _C.copy_blocks(
+        kv_cache.data_ptr(),
+        kv_cache.shape[0] * 2,
+        num_blocks,
+        kv_cache[0, 0, 0].numel() * kv_cache.element_size(),
+        block_mapping.data_ptr(),
+        block_mapping.shape[0],
+        kv_cache.device.index,
+        _stream(kv_cache.device),
+    )
+
+
+def copy_blocks_torch(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Torch implementation of ``copy_blocks`` (no validation)."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    num_blocks = kv_cache.shape[2]
+    keep = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    kv_cache[:, :, dst[keep]] = kv_cache[:, :, src[keep]]
