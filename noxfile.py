@@ -63,7 +63,9 @@ def build(session: nox.Session) -> None:
     # Every wheel together, with CPU torch: each package imports.
     full = tmp / "venv-all"
     session.run("python", "-m", "venv", "--clear", str(full))
-    session.run(str(full / "bin/pip"), "install", "-q", *CONSTRAINTS, *wheels, external=True)
+    session.run(
+        str(full / "bin/pip"), "install", "-q", *CONSTRAINTS, *wheels, "torch", external=True
+    )
     for name in PACKAGES:
         session.run(str(full / "bin/python"), "-c", f"import nano_{name}", external=True)
     session.run(str(full / "bin/python"), "-c", "import nano_kvcache.ops", external=True)

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 
-echo "== install ($($PY --version), torch $($PY -c 'import torch; print(torch.__version__)'))"
+echo "== install ($($PY --version), torch $($PY -c "import torch; print(torch.__version__)"), scikit-build-core $($PY -c "import scikit_build_core as s; print(s.__version__)"))"
 for pkg in packages/*/; do
   $PY -m pip install -q --no-build-isolation --no-deps -e "$pkg" 2>&1 | tail -n 3
 done
