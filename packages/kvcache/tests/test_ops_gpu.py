@@ -108,6 +108,8 @@ def test_compute_slot_mapping(block_size):
     lengths = torch.randint(0, 40, (num_seqs,), generator=g)
     lengths[::9] = 1  # decodes
     start = torch.randint(0, max_blocks * block_size, (num_seqs,), generator=g, dtype=torch.int32)
+    start[5], lengths[5] = 4 * block_size - 1, 3  # reaches the -1 entries of its table
+    start[7], lengths[7] = max_blocks * block_size - 1, 3  # runs past the end of its table
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
     qsl[1:] = lengths.cumsum(0)
     num_tokens = int(qsl[-1]) + 13
