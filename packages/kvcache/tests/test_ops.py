@@ -56,7 +56,7 @@ def test_store_kvcache_validates_its_inputs():
     cases = [
         ((key[:, :, :4], key[:, :, :4], cache, cache, slots), "does not hold"),
         ((key, key[:3], cache, cache, slots), "value"),
-        ((key.half(), key.half(), cache, cache, slots), "is torch.float32 but key"),
+        ((key.half(), key.half(), cache, cache, slots), "key is torch.float16 but value"),
         ((key.double(), key.double(), cache.double(), cache.double(), slots), "dtype must be"),
         ((key, key, cache, cache, slots.float()), "slot_mapping must be int32/int64"),
         ((key, key, cache, cache, slots[:3]), r"slot_mapping must be int32/int64 \[4\]"),

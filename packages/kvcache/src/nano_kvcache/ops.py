@@ -15,6 +15,8 @@ import torch
 from nano_kvcache import __version__
 from nano_kvcache.layout import SUPPORTED_DTYPES
 
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
 
 def _load_extension():
     try:
@@ -42,18 +44,14 @@ def _use_extension(tensor: torch.Tensor) -> bool:
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def _check_same_device(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     for t in tensors[1:]:
-        _require(t.device == device, f"all tensors must be on {device}, found one on {t.device}")
+        if t.device != device:
+            raise ValueError(f"all tensors must be on {device}, found one on {t.device}")
 
 
 # ---- store_kvcache -------------------------------------------------------------------------------
@@ -73,32 +71,39 @@ def store_kvcache(
     same dtype. slot_mapping: int32/int64 [N]; token i goes to slot ``slot_mapping[i]``; slots
     < 0 are padding and skipped (the CUDA kernel also skips slots past the cache).
     """
-    _require(key.dim() == 3, f"key must be [N, num_kv_heads, head_dim], got {tuple(key.shape)}")
-    _require(value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}")
-    _require(
-        k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-        "k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}",
-    )
+    # Messages are formatted only on failure: this runs once per layer and step.
+    if key.dim() != 3:
+        raise ValueError(f"key must be [N, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} != key {tuple(key.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_tokens, num_heads, head_dim = key.shape
-    _require(
-        k_cache.shape[1] == num_heads and k_cache.shape[3] == head_dim,
-        f"cache {tuple(k_cache.shape)} does not hold {num_heads} heads x {head_dim}",
-    )
-    _require(key.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}")
-    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _require(t.dtype == key.dtype, f"{name} is {t.dtype} but key is {key.dtype}")
-    _require(
-        slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64),
-        f"slot_mapping must be int32/int64 [{num_tokens}], "
-        f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}",
-    )
+    if k_cache.shape[1] != num_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_heads} x {head_dim}")
+    dtype = key.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if value.dtype != dtype or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(
+            f"key is {dtype} but value, k_cache, v_cache are "
+            f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in _SLOT_DTYPES:
+        raise ValueError(
+            f"slot_mapping must be int32/int64 [{num_tokens}], "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     _check_same_device(key, value, k_cache, v_cache, slot_mapping)
-    _require(
-        key.stride(-1) == 1 and value.stride(-1) == 1, "key and value need a contiguous last dim"
-    )
-    _require(k_cache.is_contiguous() and v_cache.is_contiguous(), "the caches must be contiguous")
-    _require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value need a contiguous last dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
     if not _use_extension(key):
         store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
         return
@@ -161,23 +166,26 @@ def compute_slot_mapping(
     block_tables[b, pos // block_size] * block_size + pos % block_size, or -1 for padding and for
     positions without a block; positions are 0 for padding.
     """
-    _require(
-        block_tables.dim() == 2 and block_tables.dtype == torch.int32,
-        f"block_tables must be int32 [B, max_blocks], got {block_tables.dtype} "
-        f"{tuple(block_tables.shape)}",
-    )
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be int32 [B, max_blocks], got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
     num_seqs = block_tables.shape[0]
     for name, t, n in (
         ("query_start_loc", query_start_loc, num_seqs + 1),
         ("start_pos", start_pos, num_seqs),
     ):
-        _require(
-            t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous(),
-            f"{name} must be contiguous int32 [{n}], got {t.dtype} {tuple(t.shape)}",
-        )
-    _require(block_tables.stride(-1) == 1, "block_tables rows must be contiguous")
-    _require(isinstance(block_size, int) and block_size >= 1, f"bad block_size {block_size!r}")
-    _require(isinstance(num_tokens, int) and num_tokens >= 0, f"bad num_tokens {num_tokens!r}")
+        if t.shape != (n,) or t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous int32 [{n}], got {t.dtype} {tuple(t.shape)}"
+            )
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"bad block_size {block_size!r}")
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"bad num_tokens {num_tokens!r}")
     _check_same_device(block_tables, query_start_loc, start_pos)
     if not _use_extension(block_tables):
         return compute_slot_mapping_torch(
@@ -246,32 +254,31 @@ def copy_blocks(
     pairs; no dst may also be a src. A mapping on the CPU is range-checked; one already on the
     GPU is not (the kernel skips out-of-range pairs).
     """
-    _require(
-        kv_cache.dim() == 6 and kv_cache.shape[1] == 2,
-        f"kv_cache must be [num_layers, 2, num_blocks, heads, block_size, head_dim], "
-        f"got {tuple(kv_cache.shape)}",
-    )
-    _require(kv_cache.is_contiguous(), "kv_cache must be contiguous")
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache must be [num_layers, 2, num_blocks, heads, block_size, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
     if not isinstance(block_mapping, torch.Tensor):
         block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
-    _require(
-        block_mapping.dim() == 2
-        and block_mapping.shape[1] == 2
-        and block_mapping.dtype == torch.int64,
-        f"block_mapping must be int64 [P, 2], got {block_mapping.dtype} "
-        f"{tuple(block_mapping.shape)}",
-    )
+    if (
+        block_mapping.dim() != 2
+        or block_mapping.shape[1] != 2
+        or block_mapping.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"block_mapping must be int64 [P, 2], got {block_mapping.dtype} "
+            f"{tuple(block_mapping.shape)}"
+        )
     num_blocks = kv_cache.shape[2]
     if block_mapping.device.type == "cpu" and block_mapping.numel():
         low, high = int(block_mapping.min()), int(block_mapping.max())
-        _require(
-            low >= 0 and high < num_blocks,
-            f"block ids must be in [0, {num_blocks}), got [{low}, {high}]",
-        )
-        _require(
-            not set(block_mapping[:, 1].tolist()) & set(block_mapping[:, 0].tolist()),
-            "a dst block is also a src block",
-        )
+        if low < 0 or high >= num_blocks:
+            raise ValueError(f"block ids must be in [0, {num_blocks}), got [{low}, {high}]")
+        if set(block_mapping[:, 1].tolist()) & set(block_mapping[:, 0].tolist()):
+            raise ValueError("a dst block is also a src block")
     block_mapping = block_mapping.to(kv_cache.device, non_blocking=True).contiguous()
     if not _use_extension(kv_cache):
         copy_blocks_torch(kv_cache, block_mapping)
