@@ -283,7 +283,7 @@ def test_can_allocate_counts_hits_on_blocks_in_use():
     prefill(bm, a)  # three blocks, one free
     b = Seq([1, 2, 3, 4, 6])
     # b needs three blocks: two are shared with a, so one free block suffices.
-    assert bm.can_allocate(b)
+    assert bm.can_allocate(b) and not bm.can_allocate(b, reserve=1)
     bm.allocate(b)
     assert b.num_cached_tokens == 4 and bm.num_free_blocks == 0
 

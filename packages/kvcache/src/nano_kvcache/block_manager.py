@@ -167,12 +167,14 @@ class BlockManager:
         # A hit on a free cached block still takes it out of the free pool.
         return needed - sum(1 for block in hits if block.ref_count > 0)
 
-    def can_allocate(self, seq: KVSequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed now (prefix-cache hits counted)."""
+    def can_allocate(self, seq: KVSequence, reserve: int = 0) -> bool:
+        """Whether ``allocate(seq)`` would succeed now and leave at least ``reserve`` blocks free
+        (prefix-cache hits counted)."""
         needed = self.num_blocks_for(len(seq.token_ids))
         if needed > self.num_blocks:
             return False
-        return self._blocks_to_take(needed, self._cached_prefix(seq)) <= self.num_free_blocks
+        take = self._blocks_to_take(needed, self._cached_prefix(seq))
+        return take + reserve <= self.num_free_blocks
 
     def allocate(self, seq: KVSequence) -> None:
         """Give seq blocks for all its tokens, reusing the longest cached run of prefix blocks.
