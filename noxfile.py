@@ -69,16 +69,15 @@ def build(session: nox.Session) -> None:
     for name in PACKAGES:
         session.run(str(full / "bin/python"), "-c", f"import nano_{name}", external=True)
     session.run(str(full / "bin/python"), "-c", "import nano_kvcache.ops", external=True)
-    # nano-kvcache alone, without torch: its tests run (the torch ones skip).
-    bare = tmp / "venv-kvcache"
+    # The control plane alone, without torch: its tests run (the torch ones skip).
+    bare = tmp / "venv-control-plane"
     session.run("python", "-m", "venv", "--clear", str(bare))
-    kvcache = [w for w in wheels if Path(w).name.startswith("nano_kvcache-")]
-    session.run(str(bare / "bin/pip"), "install", "-q", *kvcache, *TEST_REQUIREMENTS, external=True)
+    control = [w for w in wheels if Path(w).name.startswith(("nano_kvcache-", "nano_scheduler-"))]
+    session.run(str(bare / "bin/pip"), "install", "-q", *control, *TEST_REQUIREMENTS, external=True)
     no_torch = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
     session.run(str(bare / "bin/python"), "-c", no_torch, external=True)
-    session.run(
-        str(bare / "bin/python"), "-m", "pytest", "-q", "packages/kvcache/tests", external=True
-    )
+    tests = ["packages/kvcache/tests", "packages/scheduler/tests", "tests/test_no_torch.py"]
+    session.run(str(bare / "bin/python"), "-m", "pytest", "-q", *tests, external=True)
 
 
 @nox.session(python=False)
@@ -89,6 +88,7 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """CPU benchmarks: block manager bookkeeping."""
+    """CPU benchmarks: block manager bookkeeping, scheduler steps, the simulator on a trace."""
     install_packages(session, cuda=False)
-    session.run("python", "benchmarks/bench_block_manager.py", *session.posargs)
+    session.run("python", "benchmarks/bench_block_manager.py")
+    session.run("python", "benchmarks/bench_scheduler.py", *session.posargs)

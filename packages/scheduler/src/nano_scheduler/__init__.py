@@ -1,0 +1,20 @@
+"""nano-scheduler: a torch-free continuous-batching scheduler, and a simulator that reuses it."""
+
+from nano_scheduler._version import __version__
+from nano_scheduler.config import SchedulerConfig
+from nano_scheduler.sampling_params import SamplingParams
+from nano_scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SchedulerStats
+from nano_scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = [
+    "FinishReason",
+    "SamplingParams",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceStatus",
+    "__version__",
+]

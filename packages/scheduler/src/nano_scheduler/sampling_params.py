@@ -1,0 +1,99 @@
+"""Sampling parameters of one request, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output.
+
+    temperature 0 means greedy. top_k 0 or -1 and top_p 1 turn those filters off. max_tokens None
+    means until the model's maximum length. logprobs: how many top log-probabilities to return per
+    output token besides the sampled one's (None: none).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        errors = list(self._errors())
+        if errors:
+            raise ValueError("invalid sampling parameters: " + "; ".join(errors))
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _errors(self):
+        if not _is_int(self.n) or self.n < 1:
+            yield f"n must be an integer >= 1, got {self.n!r}"
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                yield f"{name} must be a number, got {value!r}"
+                return
+        if self.temperature < 0:
+            yield f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            yield f"top_k must be an integer >= 0, or -1 (off), got {self.top_k!r}"
+        if not 0 < self.top_p <= 1:
+            yield f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0 <= self.min_p <= 1:
+            yield f"min_p must be in [0, 1], got {self.min_p}"
+        if self.repetition_penalty <= 0:
+            yield f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
+        if self.seed is not None and not _is_int(self.seed):
+            yield f"seed must be an integer or None, got {self.seed!r}"
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            yield f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            yield f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        elif (
+            self.max_tokens is not None
+            and _is_int(self.max_tokens)
+            and (self.min_tokens > self.max_tokens)
+        ):
+            yield f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            yield f"stop strings must be non-empty strings, got {self.stop!r}"
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            yield f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            yield f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

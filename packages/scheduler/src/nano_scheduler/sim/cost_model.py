@@ -1,0 +1,258 @@
+"""Step-time models: how long the GPU takes for one scheduled batch.
+
+A ``CostModel`` sees the batch's shape only: each prefill chunk as (new tokens, tokens already
+cached) and each decode as its context length. ``RooflineCostModel`` derives the time from the
+model's dimensions and the GPU's bandwidth and FLOP rate; ``FittedCostModel`` uses coefficients
+fitted to step times measured on a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from nano_scheduler.scheduler import SchedulerOutput
+
+
+class BatchShape(NamedTuple):
+    prefills: list[tuple[int, int]]  # (new tokens, cached tokens before them) per chunk
+    decodes: list[int]  # context length (tokens attended, the new one included) per decode
+    num_sampled: int  # tokens sampled this step (LM head rows)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> BatchShape:
+        prefills = [(c.num_tokens, c.start) for c in out.prefills]
+        sampled = sum(c.samples for c in out.prefills) + len(out.decodes)
+        return cls(prefills, [len(s.token_ids) for s in out.decodes], sampled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.prefills) + len(self.decodes)
+
+    @property
+    def prefill_attention(self) -> int:
+        """(query, key) pairs of the causal prefill chunks: n * cached + n (n + 1) / 2 each."""
+        return sum(n * start + n * (n + 1) // 2 for n, start in self.prefills)
+
+    @property
+    def decode_context(self) -> int:
+        return sum(self.decodes)
+
+
+class CostModel(Protocol):
+    def step_time(self, batch: BatchShape) -> float:
+        """Seconds the GPU needs for this batch."""
+        ...
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only transformer that decide its cost."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_hf_config(cls, config: dict | str | Path) -> ModelShape:
+        """From a Hugging Face config.json (a dict, or the file or the directory holding it)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            config = json.loads(path.read_text())
+        try:
+            heads = config["num_attention_heads"]
+            dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+            return cls(
+                num_layers=config["num_hidden_layers"],
+                hidden_size=config["hidden_size"],
+                num_heads=heads,
+                num_kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                intermediate_size=config["intermediate_size"],
+                vocab_size=config["vocab_size"],
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                dtype_bytes=_DTYPE_BYTES[dtype],
+            )
+        except KeyError as e:
+            raise ValueError(f"the model config lacks {e}; need a decoder-only HF config") from e
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul parameters of one layer: fused qkv, output projection, gated MLP."""
+        attn = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        attn += self.num_heads * self.head_dim * self.hidden_size
+        return attn + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def weight_bytes(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return (self.num_layers * self.layer_params + embeddings + norms) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs of one token through every layer (the LM head is counted apart)."""
+        return 2 * self.num_layers * self.layer_params
+
+    @property
+    def lm_head_flops(self) -> int:
+        return 2 * self.hidden_size * self.vocab_size
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair over all layers: q.k and p.v for every head."""
+        return 4 * self.num_heads * self.head_dim * self.num_layers
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    mem_bandwidth: float  # bytes/s
+    flops: float  # dense bf16 FLOP/s
+    memory: float  # bytes
+
+    @classmethod
+    def preset(cls, name: str) -> GPU:
+        try:
+            return GPU_PRESETS[name.lower()]
+        except KeyError:
+            raise ValueError(f"unknown GPU {name!r}; presets: {sorted(GPU_PRESETS)}") from None
+
+
+GPU_PRESETS = {
+    # Measured on our H200: device-to-device copy and an 8k bf16 matmul (benchmarks/RESULTS.md).
+    "h200": GPU("h200", 4.3e12, 790e12, 141e9),
+    # Datasheet peaks, for comparison.
+    "h100": GPU("h100", 3.35e12, 989e12, 80e9),
+    "a100": GPU("a100", 2.04e12, 312e12, 80e9),
+}
+
+
+class RooflineCostModel:
+    """max(FLOPs / rate, bytes / bandwidth) of a step, plus a fixed per-step overhead.
+
+    Bytes: all weights once, every chunk's and decode's KV context once, the new tokens' KV
+    written. FLOPs: the matmuls of every new token, the LM head of every sampled token, and
+    attention over the (query, key) pairs.
+    """
+
+    def __init__(self, model: ModelShape, gpu: GPU, step_overhead: float = 0.0) -> None:
+        self.model, self.gpu, self.step_overhead = model, gpu, step_overhead
+
+    def step_time(self, batch: BatchShape) -> float:
+        m = self.model
+        tokens = batch.num_tokens
+        context = batch.decode_context + sum(n + start for n, start in batch.prefills)
+        nbytes = m.weight_bytes + (context + tokens) * m.kv_bytes_per_token
+        flops = (
+            tokens * m.flops_per_token
+            + batch.num_sampled * m.lm_head_flops
+            + (batch.prefill_attention + batch.decode_context) * m.attention_flops_per_pair
+        )
+        return max(flops / self.gpu.flops, nbytes / self.gpu.mem_bandwidth) + self.step_overhead
+
+
+FEATURES = ("const", "tokens", "seqs", "prefill_attention", "decode_context")
+
+
+def features(batch: BatchShape) -> list[float]:
+    return [
+        1.0,
+        batch.num_tokens,
+        len(batch.prefills) + len(batch.decodes),
+        batch.prefill_attention,
+        batch.decode_context,
+    ]
+
+
+class FittedCostModel:
+    """A linear model of measured step times over the batch's features (``FEATURES``).
+
+    JSON: ``{"coefficients": {"const": s, "tokens": s/token, ...}}``, or
+    ``{"samples": [{"prefills": [[new, cached], ...], "decodes": [context, ...],
+    "num_sampled": k, "seconds": t}, ...]}``, fitted by least squares.
+    """
+
+    def __init__(self, coefficients: dict[str, float]) -> None:
+        unknown = set(coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown cost features {sorted(unknown)}; known: {FEATURES}")
+        self.coefficients = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
+
+    def step_time(self, batch: BatchShape) -> float:
+        coef = [self.coefficients[name] for name in FEATURES]
+        return max(0.0, sum(c * x for c, x in zip(coef, features(batch))))
+
+    @classmethod
+    def fit(cls, samples: list[tuple[BatchShape, float]]) -> FittedCostModel:
+        if len(samples) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} measured steps, got {len(samples)}")
+        rows = [features(batch) for batch, _ in samples]
+        # Scale columns to comparable magnitudes before solving the normal equations.
+        scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(len(FEATURES))]
+        x = [[v / s for v, s in zip(r, scale)] for r in rows]
+        y = [seconds for _, seconds in samples]
+        k = len(FEATURES)
+        ata = [
+            [sum(r[i] * r[j] for r in x) + (1e-12 if i == j else 0.0) for j in range(k)]
+            for i in range(k)
+        ]
+        aty = [sum(r[i] * t for r, t in zip(x, y)) for i in range(k)]
+        solution = _solve(ata, aty)
+        return cls({name: c / s for name, c, s in zip(FEATURES, solution, scale)})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> FittedCostModel:
+        data = json.loads(Path(path).read_text())
+        if "coefficients" in data:
+            return cls(data["coefficients"])
+        if "samples" in data:
+            samples = [
+                (
+                    BatchShape(
+                        [tuple(p) for p in s["prefills"]],
+                        list(s["decodes"]),
+                        int(s.get("num_sampled", len(s["prefills"]) + len(s["decodes"]))),
+                    ),
+                    float(s["seconds"]),
+                )
+                for s in data["samples"]
+            ]
+            return cls.fit(samples)
+        raise ValueError(f"{path}: expected 'coefficients' or 'samples'")
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"coefficients": self.coefficients}, indent=2))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (5 x 5, regularized: never singular)."""
+    n = len(b)
+    m = [[*row, v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

@@ -1,0 +1,140 @@
+"""Workloads for the simulator: the Azure LLM trace format, synthetic arrivals, shared prefixes.
+
+A workload is a list of ``Request`` sorted by arrival time. Prompts carry lengths, not text; the
+simulator gives them random token ids (deterministic for a seed) when they arrive, with the
+tokens of a shared prefix identical across the requests of its group, so prefix caching works
+as it would on real traffic.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+VOCAB_SIZE = 32_000
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival_time: float  # seconds from the start of the workload
+    prompt_len: int
+    output_len: int
+    prefix_group: int = -1  # requests of one group share their first prefix_len tokens
+    prefix_len: int = 0
+    prompt_token_ids: tuple[int, ...] | None = None  # explicit tokens (else drawn at arrival)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(f"a request needs >= 1 prompt and output token: {self}")
+        if not 0 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(f"prefix_len must be in [0, prompt_len]: {self}")
+
+    def token_ids(self, index: int, seed: int) -> list[int]:
+        """The prompt's token ids: the shared prefix of its group, then tokens of its own."""
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        tokens: list[int] = []
+        if self.prefix_len:
+            tokens = random.Random(f"{seed}/prefix/{self.prefix_group}").choices(
+                range(VOCAB_SIZE), k=self.prefix_len
+            )
+        rest = random.Random(f"{seed}/request/{index}")
+        return tokens + rest.choices(range(VOCAB_SIZE), k=self.prompt_len - self.prefix_len)
+
+
+def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+    """Read a trace in the Azure LLM inference format (TIMESTAMP, ContextTokens,
+    GeneratedTokens). Arrival times are relative to the first request; rows with zero tokens
+    are dropped (a request needs a prompt and one output token)."""
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: not an Azure trace, missing columns {sorted(missing)}")
+        for row in reader:
+            prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            if prompt > 0 and output > 0:
+                rows.append((_seconds(row["TIMESTAMP"]), prompt, output))
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    rows.sort()
+    start = rows[0][0]
+    return [Request(t - start, p, o) for t, p, o in rows]
+
+
+def _seconds(timestamp: str) -> float:
+    try:
+        return float(timestamp)
+    except ValueError:
+        pass
+    # "2023-11-16 18:15:46.6805900": more than 6 fractional digits is not ISO to Python.
+    date, _, fraction = timestamp.strip().partition(".")
+    base = datetime.fromisoformat(date).timestamp()
+    return base + (float("0." + fraction) if fraction else 0.0)
+
+
+def synthetic(
+    num_requests: int,
+    input_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    rate: float | None = None,
+    seed: int = 0,
+    num_prefixes: int = 0,
+    prefix_len: int = 0,
+) -> list[Request]:
+    """Lengths uniform in the given inclusive ranges; all at t=0 (rate None) or Poisson
+    arrivals at ``rate`` requests/s; with ``num_prefixes`` groups each sharing its first
+    ``prefix_len`` prompt tokens (requests pick a group at random)."""
+    if num_requests < 1:
+        raise ValueError("num_requests must be >= 1")
+    for name, (lo, hi) in (("input_len", input_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)}")
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    if num_prefixes and not 0 < prefix_len <= input_len[0]:
+        raise ValueError(f"prefix_len must be in [1, {input_len[0]}] (the shortest prompt)")
+    rng = random.Random(seed)
+    now, requests = 0.0, []
+    for _ in range(num_requests):
+        if rate is not None:
+            now += rng.expovariate(rate)
+        group = rng.randrange(num_prefixes) if num_prefixes else -1
+        requests.append(
+            Request(
+                now,
+                rng.randint(*input_len),
+                rng.randint(*output_len),
+                group,
+                prefix_len if num_prefixes else 0,
+            )
+        )
+    return requests
+
+
+def nano_vllm_bench(
+    num_requests: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
+) -> list[Request]:
+    """nano-vllm's bench.py workload, drawn in the same order from the same generator: random
+    prompts of 100..max_input_len token ids below 10,000, then output lengths 100..max_output_len,
+    all arriving at t=0 (seed 0 gives 133,966 output tokens)."""
+    rng = random.Random(seed)
+    prompts = [
+        tuple(rng.randint(0, 10_000) for _ in range(rng.randint(100, max_input_len)))
+        for _ in range(num_requests)
+    ]
+    outputs = [rng.randint(100, max_output_len) for _ in range(num_requests)]
+    return [Request(0.0, len(p), o, prompt_token_ids=p) for p, o in zip(prompts, outputs)]
+
+
+def scale_arrivals(requests: list[Request], factor: float) -> list[Request]:
+    """The same requests arriving ``factor`` times faster (factor 2 doubles the rate)."""
+    if factor <= 0:
+        raise ValueError(f"the rate factor must be > 0, got {factor}")
+    return [replace(r, arrival_time=r.arrival_time / factor) for r in requests]

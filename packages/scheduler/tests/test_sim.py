@@ -1,0 +1,232 @@
+"""The simulator: determinism, completion, the roofline against an analytical bound, workloads,
+the fitted cost model and the nano-sim command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nano_scheduler import SchedulerConfig
+from nano_scheduler.sim import (
+    GPU,
+    BatchShape,
+    FittedCostModel,
+    ModelShape,
+    RooflineCostModel,
+    Simulator,
+    load_azure_trace,
+    nano_vllm_bench,
+    scale_arrivals,
+    synthetic,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+QWEN3_06B = ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"
+TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+H200 = GPU("h200", 4.3e12, 790e12, 141e9)
+
+
+class ZeroCost:
+    def step_time(self, batch: BatchShape) -> float:
+        return 0.0
+
+
+def simulate(requests, cost, num_blocks=4096, **config):
+    config = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 4096, **config}
+    return Simulator(requests, cost, SchedulerConfig(**config), num_blocks, 16).run()
+
+
+def test_deterministic_for_a_seed():
+    model = ModelShape.from_hf_config(QWEN3_06B)
+    runs = [
+        simulate(
+            synthetic(200, (20, 300), (5, 100), rate=50, seed=seed, num_prefixes=4, prefix_len=16),
+            RooflineCostModel(model, H200, 1e-3),
+        ).summary()
+        for seed in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_with_a_zero_cost_model_every_request_finishes():
+    requests = synthetic(300, (1, 200), (1, 50), seed=3)  # all at t=0
+    result = simulate(requests, ZeroCost(), num_blocks=64)  # a small pool: preemptions happen
+    assert len(result.requests) == 300 and not result.rejected
+    by_index = sorted(result.requests, key=lambda r: r.request)
+    assert [r.output_len for r in by_index] == [q.output_len for q in requests]
+    assert all(r.finish_reason == "length" for r in result.requests)
+    assert result.num_preemptions > 0
+
+
+def analytical_bound(requests, model: ModelShape, gpu: GPU) -> float:
+    """The lower bound the roofline should approach on nano-vllm's benchmark.
+
+    All requests arrive at t=0 and fit in one batch, so decoding is a sequence of steps, one per
+    output token of the longest request. A request with I prompt and O output tokens samples its
+    first token after its prefill and decodes the other O - 1, the k-th attending I + k tokens:
+      KV reads  = kv_bytes_per_token * sum over requests of ((O - 1) I + (O - 1) O / 2)
+      weights   = weight_bytes * (max O - 1), read once per decode step
+      prefill   = flops_per_token * sum of I, compute-bound
+    For Qwen3-0.6B (114,688 KV bytes per token, 1.19 GB of weights, 0.88 GFLOP per token) on
+    an H200 at 4.3 TB/s and 790 TFLOP/s: about 13.9 TB / 4.3 TB/s = 3.22 s of KV reads,
+    0.28 s of weights and 0.16 s of prefill, 3.7 s in all.
+    """
+    kv = (
+        sum(
+            (r.output_len - 1) * r.prompt_len + (r.output_len - 1) * r.output_len / 2
+            for r in requests
+        )
+        * model.kv_bytes_per_token
+    )
+    weights = model.weight_bytes * (max(r.output_len for r in requests) - 1)
+    prefill = sum(r.prompt_len for r in requests) * model.flops_per_token
+    return (kv + weights) / gpu.mem_bandwidth + prefill / gpu.flops
+
+
+def test_roofline_on_nano_vllms_benchmark_is_near_the_analytical_bound():
+    requests = nano_vllm_bench()
+    assert len(requests) == 256 and sum(r.output_len for r in requests) == 133_966
+    model = ModelShape.from_hf_config(QWEN3_06B)
+    assert model.kv_bytes_per_token == 114_688
+    bound = analytical_bound(requests, model, H200)
+    assert 3.5 < bound < 3.9
+    result = simulate(
+        requests,
+        RooflineCostModel(model, H200),
+        num_blocks=68_000,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        max_model_len=40960,
+    )
+    assert result.summary()["output_tokens"] == 133_966
+    assert abs(result.duration - bound) / bound < 0.10, (result.duration, bound)
+
+
+def test_roofline_decode_step_is_bandwidth_bound():
+    model = ModelShape.from_hf_config(QWEN3_06B)
+    cost = RooflineCostModel(model, H200, step_overhead=0.001)
+    batch = BatchShape([], [1000] * 256, 256)
+    expected = (model.weight_bytes + (256 * 1000 + 256) * model.kv_bytes_per_token) / 4.3e12 + 0.001
+    assert cost.step_time(batch) == pytest.approx(expected)
+    prefill = BatchShape([(8192, 0)], [], 1)
+    flops = 8192 * model.flops_per_token + model.lm_head_flops
+    flops += (8192 * 8193 // 2) * model.attention_flops_per_pair
+    assert cost.step_time(prefill) == pytest.approx(flops / 790e12 + 0.001)
+
+
+def test_model_shape_from_config_errors():
+    with pytest.raises(ValueError, match="lacks 'num_attention_heads'"):
+        ModelShape.from_hf_config({"hidden_size": 8})
+
+
+def test_shared_prefixes_make_prefix_caching_matter():
+    requests = synthetic(100, (200, 300), (5, 10), rate=20, seed=0, num_prefixes=2, prefix_len=192)
+    on = Simulator(requests, ZeroCost(), SchedulerConfig(), 4096, 16).run()
+    off = Simulator(requests, ZeroCost(), SchedulerConfig(), 4096, 16, False).run()
+    assert on.prefix_hit_rate > 0.5 and off.prefix_hit_rate == 0.0
+
+
+def test_azure_trace_loading_and_rate_scaling():
+    requests = load_azure_trace(TRACE, limit=100)
+    assert len(requests) == 100 and requests[0].arrival_time == 0.0
+    assert requests[1].arrival_time == pytest.approx(4.314578)  # 18:15:50.9951690 - 46.6805900
+    assert (requests[0].prompt_len, requests[0].output_len) == (374, 44)
+    faster = scale_arrivals(requests, 2.0)
+    assert faster[1].arrival_time == pytest.approx(requests[1].arrival_time / 2)
+
+
+def test_azure_trace_errors(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,prompt\n1,2\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        load_azure_trace(bad)
+
+
+def test_workload_validation():
+    with pytest.raises(ValueError, match="input_len"):
+        synthetic(10, (0, 5))
+    with pytest.raises(ValueError, match="rate"):
+        synthetic(10, rate=0)
+    with pytest.raises(ValueError, match="prefix_len"):
+        synthetic(10, (10, 20), num_prefixes=2, prefix_len=11)
+
+
+def test_fitted_cost_model_recovers_known_coefficients(tmp_path):
+    truth = {
+        "const": 2e-3,
+        "tokens": 3e-6,
+        "seqs": 1e-5,
+        "prefill_attention": 1e-10,
+        "decode_context": 2e-8,
+    }
+    model = FittedCostModel(truth)
+    batches = [
+        BatchShape([(n, s)] * (i % 3), [c] * (i % 7 * 9), i % 3 + i % 7 * 9)
+        for i, (n, s, c) in enumerate(
+            (n, s, c) for n in (16, 512, 2048) for s in (0, 300) for c in (100, 900, 4000)
+        )
+    ]
+    samples = [
+        {
+            "prefills": b.prefills,
+            "decodes": b.decodes,
+            "num_sampled": b.num_sampled,
+            "seconds": model.step_time(b),
+        }
+        for b in batches
+    ]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"samples": samples}))
+    fitted = FittedCostModel.from_json(path)
+    for name, value in truth.items():
+        assert fitted.coefficients[name] == pytest.approx(value, rel=1e-4), name
+    fitted.to_json(tmp_path / "coef.json")
+    again = FittedCostModel.from_json(tmp_path / "coef.json")
+    assert again.coefficients == fitted.coefficients
+    with pytest.raises(ValueError, match="unknown cost features"):
+        FittedCostModel({"flux": 1.0})
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "nano_scheduler.sim.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_cli_runs_a_synthetic_workload(tmp_path):
+    out = tmp_path / "sim.json"
+    proc = run_cli(
+        "--synthetic",
+        "50",
+        "--input-len",
+        "10",
+        "100",
+        "--output-len",
+        "5",
+        "20",
+        "--rate",
+        "20",
+        "--model-config",
+        str(QWEN3_06B),
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stdout and "TTFT (ms)" in proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["requests"] == 50 and summary["rejected"] == 0
+
+
+def test_cli_reports_bad_input():
+    proc = run_cli("--synthetic", "5", "--model-config", "/nonexistent/config.json")
+    assert proc.returncode == 2 and "nano-sim: error" in proc.stderr
+    proc = run_cli("--synthetic", "5", "--model-config", str(QWEN3_06B), "--gpu", "tpu")
+    assert proc.returncode == 2 and "unknown GPU 'tpu'" in proc.stderr
