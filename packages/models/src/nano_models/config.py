@@ -1,0 +1,91 @@
+"""The model configuration read from a Hugging Face config.json (no transformers needed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a decoder-only transformer's config.json that our models use."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    dtype: torch.dtype = torch.bfloat16
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, config: dict) -> ModelConfig:
+        architectures = config.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(f"config.json must name one architecture, got {architectures!r}")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in config]
+        if missing:
+            raise ValueError(f"config.json lacks {missing}")
+        heads = config["num_attention_heads"]
+        # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta and
+        # rope_scaling.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = config.get("eos_token_id")
+        dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r} in config.json")
+        return cls(
+            architecture=architectures[0],
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=config.get("hidden_act", "silu"),
+            dtype=_DTYPES[dtype_name],
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            raw=config,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        return cls.from_dict(json.loads(file.read_text()))

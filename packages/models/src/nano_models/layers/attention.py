@@ -1,0 +1,144 @@
+"""Attention over the paged KV cache, through a pluggable backend.
+
+The layer stores the new tokens' K and V in its cache (``nano_kvcache.ops.store_kvcache``) and
+hands q, k, v, the caches and the ``ForwardContext`` to its backend. Backends register by name;
+``torch`` is the reference: correct on CPU and GPU for prefill, prefill over a cached prefix,
+chunked prefill, decode and mixed batches.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from nano_kvcache import ops
+from torch import nn
+
+from nano_models.context import ForwardContext
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+class AttentionBackend(ABC):
+    """Computes attention for a batch laid out as in ``ForwardContext``."""
+
+    name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "name", None):
+            ATTENTION_BACKENDS[cls.name] = cls
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: ForwardContext,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, heads, head_dim]; k, v [T, kv_heads, head_dim], already in the caches
+        [num_blocks, kv_heads, block_size, head_dim]. Returns [T, heads, head_dim]."""
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    try:
+        return ATTENTION_BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}"
+        ) from None
+
+
+class TorchAttention(AttentionBackend):
+    """Gathers each sequence's context from its blocks and runs SDPA with a causal mask
+    offset by the cached prefix; decodes are batched, prefill chunks go one by one."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        out = torch.empty_like(q)
+        qsl, lens = ctx.query_start_loc_cpu, ctx.seq_lens_cpu
+        for b in range(ctx.num_prefills):
+            start, end = qsl[b], qsl[b + 1]
+            if end > start:
+                out[start:end] = self._attend(
+                    q[start:end], k_cache, v_cache, ctx.block_tables[b : b + 1], [lens[b]], scale
+                )
+        if ctx.num_decodes:
+            start, end = ctx.num_prefill_tokens, qsl[ctx.num_seqs]
+            out[start:end] = self._attend(
+                q[start:end],
+                k_cache,
+                v_cache,
+                ctx.block_tables[ctx.num_prefills : ctx.num_seqs],
+                lens[ctx.num_prefills : ctx.num_seqs],
+                scale,
+            )
+        return out
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, tables, lens, scale):
+        """One prefill chunk (len(lens) == 1, n queries) or a batch of decodes (one query each):
+        query i of a sequence of context L with n queries sits at position L - n + i."""
+        block_size = k_cache.shape[2]
+        num_blocks = -(-max(lens) // block_size)
+        blocks = tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]; -1 padding masked below
+        batch, heads, dim = blocks.shape[0], k_cache.shape[1], k_cache.shape[3]
+
+        def gather(cache):  # [B, kv_heads, nb * block_size, head_dim]
+            return cache[blocks].permute(0, 2, 1, 3, 4).reshape(batch, heads, -1, dim)
+
+        n = q.shape[0] // batch
+        lens_t = torch.tensor(lens, device=q.device)[:, None, None]  # [B, 1, 1]
+        key_pos = torch.arange(num_blocks * block_size, device=q.device)[None, None, :]
+        valid = key_pos < lens_t  # [B, 1, keys]
+        # Slots past a sequence's end hold whatever was there (NaN included): zero them, since
+        # a masked score times a NaN value is still NaN.
+        keys = gather(k_cache).masked_fill(~valid[..., None], 0)
+        values = gather(v_cache).masked_fill(~valid[..., None], 0)
+        query_pos = lens_t - n + torch.arange(n, device=q.device)[None, :, None]
+        mask = (key_pos <= query_pos) & valid  # [B, n, keys]
+        queries = q.view(batch, n, *q.shape[1:]).transpose(1, 2)  # [B, heads, n, head_dim]
+        o = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
+        )
+        return o.transpose(1, 2).reshape(q.shape)
+
+
+class Attention(nn.Module):
+    """Stores K/V of the new tokens in this layer's cache, then attends through the backend.
+    ``bind`` gives it its cache views and backend (the runner does, once)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend = TorchAttention()
+
+    def bind(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend | None = None
+    ) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        if backend is not None:
+            self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if self.k_cache is None:
+            raise RuntimeError("the attention layer has no KV cache: call model.bind_kv_cache")
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -1,0 +1,174 @@
+"""Build a model from a Hugging Face checkpoint directory (safetensors only), or with random
+weights (``load_format="dummy"``) from its config alone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nano_models.config import ModelConfig
+from nano_models.parallel import SINGLE, TensorParallel
+from nano_models.registry import model_class
+from nano_models.weights import WeightSource, default_weight_loader
+
+LOAD_FORMATS = ("auto", "dummy")
+# Checkpoint entries that are not parameters of our models.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadReport:
+    tensors: int = 0
+    bytes_read: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    path: str | Path | ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, LoadReport]:
+    """The model of a checkpoint directory, on ``device`` in ``dtype`` (default: the config's).
+
+    With tensor parallelism each rank reads only its slices of the checkpoint. ``dummy`` fills
+    random weights (seeded) and reads no file; ``path`` may then be a ``ModelConfig``.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    cfg = path if isinstance(path, ModelConfig) else ModelConfig.from_pretrained(path)
+    cls = model_class(cfg.architecture)
+    with _default_dtype(dtype or cfg.dtype), torch.device(device):
+        model = cls(cfg, tp)
+    model.eval()
+    if load_format == "dummy":
+        return _fill_random(model, seed), LoadReport()
+    if isinstance(path, ModelConfig):
+        raise ValueError("loading weights needs a checkpoint directory, not a config")
+    return model, load_weights(model, Path(path))
+
+
+def _fill_random(model: nn.Module, seed: int) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=generator) * 0.02
+        if name.endswith("norm.weight"):
+            values += 1.0
+        param.data.copy_(values)
+    return model
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (through its index when present)."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} lists missing files {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(
+            p.name for p in path.glob("*.pt")
+        )
+        hint = f" (found {pickles}: pickled weights are never loaded)" if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def load_weights(model: nn.Module, path: Path) -> LoadReport:
+    """Load every parameter from the checkpoint; a missing, unexpected or mis-shaped tensor is
+    a ValueError naming it."""
+    params = dict(model.named_parameters())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    expected = {name: _shards(name, mapping) for name in params}
+    if tied:
+        expected.pop("lm_head.weight", None)
+    loaded: dict[str, set] = {name: set() for name in expected}
+    unexpected: list[str] = []
+    report = LoadReport()
+    for file in checkpoint_files(path):
+        report.files.append(file.name)
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = _target(name, mapping)
+                if target not in loaded:
+                    unexpected.append(name)
+                    continue
+                tensor_slice = f.get_slice(name)
+                source = WeightSource(
+                    name,
+                    tuple(tensor_slice.get_shape()),
+                    _dtype(tensor_slice.get_dtype()),
+                    lambda index, s=tensor_slice: s[index],
+                )
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, source, shard)
+                loaded[target].add(shard)
+                report.tensors += 1
+                report.bytes_read += source.bytes_read
+    if unexpected:
+        raise ValueError(f"unexpected tensors in the checkpoint: {sorted(unexpected)}")
+    missing = sorted(
+        f"{name}[{shard}]" if shard is not None else name
+        for name, shards in expected.items()
+        for shard in shards - loaded[name]
+    )
+    if missing:
+        raise ValueError(f"tensors missing from the checkpoint: {missing}")
+    return report
+
+
+def _target(name: str, mapping: dict) -> tuple[str, object]:
+    for fragment, (packed, shard) in mapping.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed}."), shard
+    return name, None
+
+
+def _shards(param_name: str, mapping: dict) -> set:
+    shards = {shard for fragment, (packed, shard) in mapping.items() if f".{packed}." in param_name}
+    return shards or {None}
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _SAFETENSORS_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported checkpoint dtype {name}") from None

@@ -1,0 +1,180 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one implementation, with the
+differences between architectures as a few flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from nano_models.config import ModelConfig
+from nano_models.context import ForwardContext
+from nano_models.layers.activation import SiluAndMul
+from nano_models.layers.attention import Attention, AttentionBackend
+from nano_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nano_models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nano_models.layers.norm import RMSNorm
+from nano_models.layers.rotary import RotaryEmbedding
+from nano_models.parallel import SINGLE, TensorParallel
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, spec.qkv_bias, tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, cfg.hidden_size, spec.o_bias, tp
+        )
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.attn.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.attn.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.attn.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], spec.mlp_bias, tp
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, spec.mlp_bias, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, spec, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DecoderMLP(cfg, spec, tp)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, spec, rotary, tp) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only causal LM over a paged KV cache.
+
+    ``forward(input_ids [T], positions [T], ctx)`` returns hidden states [T, hidden];
+    ``compute_logits(hidden, ctx)`` the logits [S, vocab] of the rows in ctx.logits_indices
+    (None on tensor-parallel ranks other than 0).
+    """
+
+    spec: ClassVar[DecoderSpec]
+    # checkpoint name fragment -> (our parameter's fragment, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, object]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        window = cfg.raw.get("sliding_window")
+        if (
+            cfg.raw.get("use_sliding_window", window is not None)
+            and window is not None
+            and (window < cfg.max_position_embeddings)
+        ):
+            raise ValueError(f"sliding-window attention (window {window}) is not supported")
+        self.config, self.tp = cfg, tp
+        self.model = DecoderModel(cfg, self.spec_for(cfg), tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def spec_for(cls, cfg: ModelConfig) -> DecoderSpec:
+        return cls.spec
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        return self.lm_head(hidden[ctx.logits_indices])
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, backend: AttentionBackend | None = None
+    ) -> None:
+        """Give every layer its view of ``kv_cache`` [layers, 2, blocks, kv_heads, block_size,
+        head_dim] (``nano_kvcache.layout``) and, optionally, an attention backend."""
+        layers = self.attention_layers
+        if kv_cache.shape[0] != len(layers):
+            raise ValueError(f"the cache has {kv_cache.shape[0]} layers, the model {len(layers)}")
+        for i, attn in enumerate(layers):
+            attn.bind(kv_cache[i, 0], kv_cache[i, 1], backend)

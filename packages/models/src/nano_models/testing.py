@@ -1,0 +1,117 @@
+"""Tiny random checkpoints for tests, built with transformers' own classes and a tokenizer
+trained locally with the tokenizers library: nothing is downloaded.
+
+    from nano_models.testing import build_checkpoint
+    path = build_checkpoint(tmp_path / "qwen3", "qwen3", num_key_value_heads=2)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# A small vocabulary: byte-level BPE, every text encodes.
+TOKENIZER_VOCAB = 384
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A scheduler decides which requests run at every step.",
+    "Prefix caching shares the blocks of a common prompt prefix.",
+    "Tensor parallelism splits every layer's weights over several GPUs.",
+    "Ünïcödé têxt, 中文字符, emoji 🙂 and numbers 12345 must all round-trip.",
+    "def forward(self, x):\n    return self.linear(x) + 1\n",
+] * 20
+
+ARCHITECTURES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+TINY = {
+    "vocab_size": TOKENIZER_VOCAB + 16,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with Qwen-style specials and a chat
+    template; <|im_end|> is its eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_checkpoint(
+    path: str | Path,
+    architecture: str = "qwen3",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+    **overrides,
+) -> Path:
+    """Save a randomly initialized transformers model (and the tiny tokenizer) to ``path``.
+    ``overrides`` change the TINY config (e.g. num_key_value_heads, tie_word_embeddings,
+    attention_bias, rope_parameters)."""
+    import transformers
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}")
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[architecture])
+    tokenizer_obj = build_tokenizer() if tokenizer else None
+    eos = tokenizer_obj.eos_token_id if tokenizer_obj else 0
+    config = config_cls(**{**TINY, "eos_token_id": eos, "bos_token_id": None, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    # transformers initializes norms to ones: random ones test that they are loaded.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.1)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer_obj is not None:
+        tokenizer_obj.save_pretrained(path)
+    return path
+
+
+def load_reference(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The transformers model of a checkpoint, for comparisons (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return model.eval()
