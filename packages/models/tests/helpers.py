@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import torch
-from nano_kvcache.layout import KVCacheLayout
 
+from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext
 from nano_models.loader import load_model
 

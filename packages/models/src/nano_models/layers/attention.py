@@ -13,9 +13,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from nano_kvcache import ops
 from torch import nn
 
+from nano_kvcache import ops
 from nano_models.context import ForwardContext
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
