@@ -16,13 +16,22 @@ BLOCK_SIZE = 4
 class PagedRunner:
     """Our model with a KV cache whose blocks are handed out in shuffled order."""
 
-    def __init__(self, path, num_blocks: int = 256, tp=None, dtype=torch.float32, seed: int = 0):
+    def __init__(
+        self,
+        path,
+        num_blocks: int = 256,
+        tp=None,
+        dtype=torch.float32,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
         kwargs = {"tp": tp} if tp is not None else {}
-        self.model, self.report = load_model(path, dtype=dtype, **kwargs)
+        self.device = device
+        self.model, self.report = load_model(path, dtype=dtype, device=device, **kwargs)
         cfg = self.model.config
         heads = self.model.model.layers[0].self_attn.num_kv_heads
         layout = KVCacheLayout(cfg.num_hidden_layers, heads, cfg.head_dim, BLOCK_SIZE, dtype)
-        self.cache = layout.allocate(num_blocks)
+        self.cache = layout.allocate(num_blocks, device)
         self.cache.fill_(float("nan"))  # poisoned: reading an unwritten slot shows
         self.model.bind_kv_cache(self.cache)
         self.free = list(range(num_blocks))
@@ -46,9 +55,14 @@ class PagedRunner:
             query_lens.append(len(tokens))
             seq_lens.append(cached + len(tokens))
             tables.append(self.table(seq, cached + len(tokens)))
-        ctx = ForwardContext.build(query_lens, seq_lens, tables, BLOCK_SIZE, num_prefills)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
-        return self.model.compute_logits(hidden, ctx)
+        ctx = ForwardContext.build(
+            query_lens, seq_lens, tables, BLOCK_SIZE, num_prefills, device=self.device
+        )
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx
+        )
+        logits = self.model.compute_logits(hidden, ctx)
+        return None if logits is None else logits.cpu()
 
 
 @torch.no_grad()

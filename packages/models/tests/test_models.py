@@ -48,8 +48,18 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_logits_match_transformers_through_prefill_and_decode(checkpoint):
+    compare_with_transformers(checkpoint, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_logits_match_transformers_on_cuda(checkpoint):
+    compare_with_transformers(checkpoint, "cuda")
+
+
+def compare_with_transformers(checkpoint, device):
     hf = load_reference(checkpoint)
-    ours = PagedRunner(checkpoint)
+    ours = PagedRunner(checkpoint, device=device)
     cfg = ours.model.config
     seqs = prompts(8, cfg.vocab_size)
     logits = ours.step([(i, s, 0) for i, s in enumerate(seqs)], num_prefills=len(seqs))

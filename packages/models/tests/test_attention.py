@@ -1,0 +1,81 @@
+"""The torch attention backend against a float64 one-query-at-a-time reference, on random
+caches with ragged batches: prefills, prefills over a cached prefix, chunks and decodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nano_models import ForwardContext, get_attention_backend
+from nano_models.testing import paged_attention_reference
+
+
+def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu"):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 128
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    # (new tokens, cached tokens): a fresh prefill, one over a cached prefix, a middle chunk,
+    # then decodes with short and long contexts.
+    shapes = [(9, 0), (5, 12), (7, 3), (1, 0), (1, 17), (1, 30)]
+    query_lens = [n for n, _ in shapes]
+    seq_lens = [n + c for n, c in shapes]
+    tables = [[free.pop() for _ in range(-(-length // block_size))] for length in seq_lens]
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    ctx = ForwardContext.build(
+        query_lens, seq_lens, tables, block_size, num_prefills=3, device=device
+    )
+    return q, k_cache.to(device), v_cache.to(device), ctx, tables
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_torch_backend_matches_the_float64_reference(
+    heads, kv_heads, block_size, dtype, tol, device
+):
+    q, k_cache, v_cache, ctx, tables = random_batch(
+        heads + block_size, heads, kv_heads, 16, block_size, dtype, device
+    )
+    q = q.to(device)
+    k = v = torch.empty(q.shape[0], kv_heads, 16, dtype=dtype, device=device)  # in the caches
+    out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, ctx, 0.25).cpu()
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    ref = paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        [b - a for a, b in zip(ctx.query_start_loc_cpu, ctx.query_start_loc_cpu[1:])],
+        ctx.seq_lens_cpu,
+        0.25,
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown attention backend 'flash'; available: "
+        r"\['torch'",
+    ):
+        get_attention_backend("flash")
