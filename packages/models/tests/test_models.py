@@ -34,6 +34,7 @@ CASES = {
     "qwen2-gqa-untied": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "llama-gqa-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "mistral-no-window": ("mistral", {"sliding_window": None}),
     "llama-tied-plain-head-dim-llama3-rope": (
         "llama",
         {"head_dim": 16, "tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE},

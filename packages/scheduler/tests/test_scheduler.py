@@ -269,6 +269,16 @@ def test_requests_that_can_never_run_are_rejected_at_add():
     assert [s.seq_id for s in sched.waiting] == [4]
 
 
+def test_stats():
+    sched = make(num_blocks=10, block_size=4, max_num_seqs=1)
+    sched.add(seq(1, range(8), max_tokens=5))
+    sched.add(seq(2, range(50, 53)))
+    step(sched)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (1, 1, 0)
+    assert stats.kv_usage == pytest.approx(0.2) and stats.free_blocks == 8
+
+
 def test_update_checks_the_number_of_sampled_tokens():
     sched = make()
     sched.add(seq(1, range(5)))

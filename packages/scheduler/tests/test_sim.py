@@ -230,3 +230,10 @@ def test_cli_reports_bad_input():
     assert proc.returncode == 2 and "nano-sim: error" in proc.stderr
     proc = run_cli("--synthetic", "5", "--model-config", str(QWEN3_06B), "--gpu", "tpu")
     assert proc.returncode == 2 and "unknown GPU 'tpu'" in proc.stderr
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = simulate(synthetic(30, (10, 50), (5, 20), rate=50, seed=1), ZeroCost())
+    result.plot(tmp_path / "sim.png")
+    assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

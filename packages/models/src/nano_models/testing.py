@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
 TINY = {
