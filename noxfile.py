@@ -28,7 +28,7 @@ nox.options.default_venv_backend = "venv"
 def install_packages(session: nox.Session, *, cuda: bool) -> None:
     """Install every package of the monorepo (and torch, constrained to the CPU build)."""
     args = [] if cuda else ["-Ccmake.define.NANO_KVCACHE_CUDA=OFF"]
-    extras = {"kvcache": "[torch]"}
+    extras = {"kvcache": "[torch]", "scheduler": "[plot]"}
     targets = [f"{ROOT / 'packages' / name}{extras.get(name, '')}" for name in PACKAGES]
     session.install(*CONSTRAINTS, *args, *targets)
 
