@@ -57,47 +57,55 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 class TorchAttention(AttentionBackend):
-    """Gathers each sequence's context from its blocks and runs SDPA with a causal mask
-    offset by the cached prefix; decodes are batched, prefill chunks go one by one."""
+    """Gathers each sequence's context from its blocks and runs SDPA with a causal mask offset
+    by the cached prefix. Prefill chunks go one by one; decodes are batched over the whole
+    width of ``ctx.block_tables`` and read lengths from the device, so a decode-only step can be
+    captured in a CUDA graph."""
 
     name = "torch"
+    supports_cuda_graphs = True
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
         out = torch.empty_like(q)
-        qsl, lens = ctx.query_start_loc_cpu, ctx.seq_lens_cpu
+        qsl, block_size = ctx.query_start_loc_cpu, k_cache.shape[2]
         for b in range(ctx.num_prefills):
             start, end = qsl[b], qsl[b + 1]
             if end > start:
+                width = -(-ctx.seq_lens_cpu[b] // block_size)
                 out[start:end] = self._attend(
-                    q[start:end], k_cache, v_cache, ctx.block_tables[b : b + 1], [lens[b]], scale
+                    q[start:end],
+                    k_cache,
+                    v_cache,
+                    ctx.block_tables[b : b + 1, :width],
+                    ctx.seq_lens[b : b + 1],
+                    scale,
                 )
         if ctx.num_decodes:
-            start, end = ctx.num_prefill_tokens, qsl[ctx.num_seqs]
-            out[start:end] = self._attend(
-                q[start:end],
+            first, seqs = ctx.num_prefill_tokens, slice(ctx.num_prefills, ctx.num_seqs)
+            out[first : first + ctx.num_decodes] = self._attend(
+                q[first : first + ctx.num_decodes],
                 k_cache,
                 v_cache,
-                ctx.block_tables[ctx.num_prefills : ctx.num_seqs],
-                lens[ctx.num_prefills : ctx.num_seqs],
+                ctx.block_tables[seqs],
+                ctx.seq_lens[seqs],
                 scale,
             )
         return out
 
     @staticmethod
     def _attend(q, k_cache, v_cache, tables, lens, scale):
-        """One prefill chunk (len(lens) == 1, n queries) or a batch of decodes (one query each):
+        """One prefill chunk (one sequence, n queries) or a batch of decodes (one query each):
         query i of a sequence of context L with n queries sits at position L - n + i."""
         block_size = k_cache.shape[2]
-        num_blocks = -(-max(lens) // block_size)
-        blocks = tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]; -1 padding masked below
+        blocks = tables.long().clamp(min=0)  # [B, nb]; -1 padding is masked below
         batch, heads, dim = blocks.shape[0], k_cache.shape[1], k_cache.shape[3]
 
         def gather(cache):  # [B, kv_heads, nb * block_size, head_dim]
             return cache[blocks].permute(0, 2, 1, 3, 4).reshape(batch, heads, -1, dim)
 
         n = q.shape[0] // batch
-        lens_t = torch.tensor(lens, device=q.device)[:, None, None]  # [B, 1, 1]
-        key_pos = torch.arange(num_blocks * block_size, device=q.device)[None, None, :]
+        lens_t = lens.long()[:, None, None]  # [B, 1, 1]
+        key_pos = torch.arange(blocks.shape[1] * block_size, device=q.device)[None, None, :]
         valid = key_pos < lens_t  # [B, 1, keys]
         # Slots past a sequence's end hold whatever was there (NaN included): zero them, since
         # a masked score times a NaN value is still NaN.

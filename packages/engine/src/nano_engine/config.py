@@ -1,0 +1,97 @@
+"""Engine configuration: nano-vllm's Config fields and more, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``LLM(model, **config)`` accepts; an unknown keyword is an error.
+
+    model: a local Hugging Face checkpoint directory (with load_format "dummy", its config.json
+    alone, or the path of that file). tokenizer: default the model directory. max_model_len:
+    default and cap the model's max_position_embeddings. KV cache: on CUDA, sized from
+    gpu_memory_utilization after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb
+    (default 1); num_kvcache_blocks overrides both.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "decode_first"
+    attention_backend: str = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        errors = list(self._errors())
+        if errors:
+            raise ValueError("invalid engine configuration: " + "; ".join(errors))
+
+    def _errors(self):
+        path = Path(self.model)
+        if not path.exists():
+            yield f"model {self.model!r} does not exist (a local checkpoint directory is needed)"
+        elif path.is_dir() and not (path / "config.json").is_file():
+            yield f"model directory {self.model!r} has no config.json"
+        elif path.is_file() and self.load_format != "dummy":
+            yield f"model {self.model!r} is a file: weights need a checkpoint directory"
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "kvcache_block_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                yield f"{name} must be an integer >= 1, got {value!r}"
+        for name in ("max_model_len", "num_kvcache_blocks"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                yield f"{name} must be an integer >= 1 or None, got {value!r}"
+        if not 0 < self.gpu_memory_utilization <= 1:
+            yield f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            yield f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}"
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("device", DEVICES),
+            ("load_format", LOAD_FORMATS),
+        ):
+            if getattr(self, name) not in allowed:
+                yield f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+        if not isinstance(self.seed, int):
+            yield f"seed must be an integer, got {self.seed!r}"
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=str(model), **kwargs)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,423 @@
+"""LLMEngine: requests come in from any thread, a step loop runs on its own thread.
+
+The loop owns the scheduler, the model runner and the sampler: each step it schedules, runs the
+model, samples, updates the scheduler, detokenizes and pushes incremental outputs to each
+request's stream. Requests are validated and tokenized on the caller's thread, so bad input is
+an exception there and never reaches the loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nano_engine.config import EngineConfig
+from nano_engine.detokenizer import IncrementalDetokenizer
+from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
+from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nano_engine.parallel import Workers, init_group
+from nano_engine.sampler import Sampler
+from nano_engine.streams import EngineDeadError, RequestStream
+from nano_kvcache import BlockManager
+from nano_models import ModelConfig, TensorParallel
+from nano_scheduler import (
+    FinishReason,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+)
+
+log = logging.getLogger("nano_engine")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    arrival: float
+    sent_tokens: list[int] = field(default_factory=list)
+    stop_reasons: list[str | int | None] = field(default_factory=list)
+    logprobs: list[list[Logprob]] = field(default_factory=list)
+
+
+def load_tokenizer(config: EngineConfig):
+    if config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or config.model
+    if not Path(source).is_dir():
+        raise ValueError(
+            f"no tokenizer directory at {source!r}: pass tokenizer=... or "
+            "skip_tokenizer_init=True and token-id prompts"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {source!r} ({e}); pass tokenizer=... or "
+            "skip_tokenizer_init=True and token-id prompts"
+        ) from e
+
+
+def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) -> set[int]:
+    """Every eos id: generation_config.json's, config.json's and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    generation = Path(config.model) / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        limit = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        self.max_model_len = config.max_model_len or limit
+        self.tokenizer = load_tokenizer(config)
+        self.eos_token_ids = eos_token_ids(config, mc, self.tokenizer)
+        device = resolve_device(config.device)
+        self.workers = None
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            self.workers = Workers(config, mc, device, self.max_model_len)
+            tp = init_group(0, config.tensor_parallel_size, self.workers.port, device)
+        try:
+            self.runner = ModelRunner(config, mc, device, tp, self.max_model_len)
+        except BaseException:
+            self._stop_workers()
+            raise
+        self.sampler = Sampler(self.runner.device, mc.vocab_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                eos_token_ids=frozenset(self.eos_token_ids),
+            ),
+            self.block_manager,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_owner: dict[int, tuple[_Request, int]] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.step_times: deque[tuple[float, float, int]] = deque(maxlen=10_000)
+        self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
+        self._thread.start()
+        if self.workers is not None:
+            threading.Thread(
+                target=self._watch_workers, name="nano-engine-watch", daemon=True
+            ).start()
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
+
+    # ---- requests (any thread) ---------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        notify=None,
+    ) -> RequestStream:
+        """Validate and queue a request; its outputs arrive on the returned stream."""
+        request = self.make_request(prompt, params, request_id, notify)
+        self.submit([request])
+        return request.stream
+
+    def make_request(self, prompt, params=None, request_id=None, notify=None) -> _Request:
+        """A validated request, not queued yet (``ValueError`` for bad input)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than the maximum model "
+                f"length of {self.max_model_len} tokens (with at least one token to "
+                "generate)"
+            )
+        needed = self.block_manager.num_blocks_for(len(ids) + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) needs {needed} KV blocks, more than "
+                f"the cache holds ({self.block_manager.num_blocks})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        now = time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seq_params = params
+            if params.seed is not None and i:
+                seq_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            seqs.append(Sequence(next(self._seq_ids), ids, seq_params, now))
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+                if self.tokenizer is not None
+                else None
+            )
+        return _Request(
+            request_id,
+            text,
+            ids,
+            params,
+            RequestStream(request_id, notify),
+            seqs,
+            detoks,
+            now,
+            [0] * params.n,
+            [None] * params.n,
+            [[] for _ in range(params.n)],
+        )
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer: pass token ids (skip_tokenizer_init is set)"
+                )
+            return prompt, self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError("a prompt is a string or a list of token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def submit(self, requests: list[_Request]) -> None:
+        with self._cond:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine is not running: {self.error}")
+            duplicate = [r.request_id for r in requests if r.request_id in self._requests]
+            if duplicate:
+                raise ValueError(f"request ids already in use: {duplicate}")
+            for request in requests:
+                self._requests[request.request_id] = request
+                self._inbox.append(("add", request))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks are freed at the next step boundary."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step loop (its own thread) ------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._stopping or self.scheduler.has_unfinished()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                for kind, payload in commands:
+                    if kind == "add":
+                        for index, seq in enumerate(payload.seqs):
+                            self._seq_owner[seq.seq_id] = (payload, index)
+                            self.scheduler.add(seq)
+                    else:
+                        self._abort(payload)
+                if self.scheduler.has_unfinished():
+                    self._step()
+        except BaseException:
+            if self.workers is not None and self.workers.dead():
+                e = EngineDeadError(self.workers.dead())
+            self._fail(e)
+        finally:
+            if self.error is None:
+                self._fail(EngineDeadError("the engine was shut down"))
+
+    def _abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self.scheduler.abort(seq.seq_id)
+        self._publish(request, range(len(request.seqs)), time.monotonic())
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        touched: dict[str, tuple[_Request, set[int]]] = {}
+        for seq in out.finished:
+            self._touch(touched, seq)
+        if not out.is_empty:
+            step = StepInput.of(out)
+            if self.workers is not None:
+                self.workers.send(step)
+            logits = self.runner.execute(step)
+            seqs = out.sampling_seqs
+            tokens, logprobs = self.sampler(logits, self.sampler.prepare(seqs))
+            self.scheduler.update(out, tokens)
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
+                request, index = self._touch(touched, seq)
+                if logprob is not None:
+                    request.logprobs[index].append(logprob)
+                detok = request.detokenizers[index]
+                if detok is not None and detok.add(token) and not seq.is_finished:
+                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+                    request.stop_reasons[index] = detok.stop_reason
+                elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
+                    request.stop_reasons[index] = token
+            self.step_times.append((start, time.perf_counter() - start, out.num_batched_tokens))
+        now = time.monotonic()
+        for request, indices in touched.values():
+            self._publish(request, indices, now)
+
+    def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
+        request, index = self._seq_owner[seq.seq_id]
+        touched.setdefault(request.request_id, (request, set()))[1].add(index)
+        return request, index
+
+    def _publish(self, request: _Request, indices, now: float) -> None:
+        """Push what is new in these sequences of a request; retire it once all finished."""
+        outputs = []
+        for i in sorted(indices):
+            seq, detok = request.seqs[i], request.detokenizers[i]
+            done = seq.is_finished
+            new_ids = seq.output_token_ids[request.sent_tokens[i] :]
+            new_logprobs = (
+                request.logprobs[i][request.sent_tokens[i] :]
+                if request.params.logprobs is not None
+                else None
+            )
+            request.sent_tokens[i] += len(new_ids)
+            text = detok.delta(done) if detok is not None else ""
+            outputs.append(
+                CompletionOutput(
+                    i,
+                    text,
+                    new_ids,
+                    seq.finish_reason.value if done else None,
+                    new_logprobs,
+                    request.stop_reasons[i],
+                )
+            )
+            if done:
+                self.sampler.release(seq.seq_id)
+                self._seq_owner.pop(seq.seq_id, None)
+        finished = all(s.is_finished for s in request.seqs)
+        first = min((s.first_token_time for s in request.seqs if s.first_token_time), default=None)
+        metrics = {
+            "arrival_time": request.arrival,
+            "first_token_time": first or 0.0,
+            "last_token_time": now,
+        }
+        if finished:
+            with self._cond:
+                self._requests.pop(request.request_id, None)
+        cached = request.seqs[0].num_cached_tokens if not finished else 0
+        request.stream.put(
+            RequestOutput(
+                request.request_id,
+                request.prompt,
+                request.prompt_token_ids,
+                outputs,
+                finished,
+                cached,
+                metrics,
+            )
+        )
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            requests = list(self._requests.values())
+            self._requests.clear()
+        if not isinstance(error, EngineDeadError) or "shut down" not in str(error):
+            log.error("the engine stopped: %s", error)
+        for request in requests:
+            request.stream.put(EngineDeadError(f"the engine stopped: {error}"))
+
+    def _watch_workers(self) -> None:
+        while self.error is None and not self._stopping:
+            message = self.workers.dead() if self.workers else None
+            if message:
+                self._fail(EngineDeadError(message))
+                return
+            time.sleep(0.2)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the loop (in-flight requests end with an error), the workers, and free memory."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _shutdown_if_alive(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()

@@ -1,0 +1,138 @@
+"""LLM: the offline API (``generate``, ``chat``) over the threaded engine."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Sequence as SequenceABC
+
+from nano_engine.config import EngineConfig
+from nano_engine.engine import LLMEngine
+from nano_engine.outputs import CompletionOutput, RequestOutput
+from nano_engine.streams import RequestStream
+from nano_scheduler import SamplingParams
+
+
+class LLM:
+    """``LLM(model, **config)``: see ``EngineConfig`` for the options.
+
+    >>> llm = LLM("path/to/Qwen3-0.6B")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, **config) -> None:
+        self.config = EngineConfig.from_kwargs(model, **config)
+        self.engine = LLMEngine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceABC[str | list[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (strings or token-id lists); outputs in input order. Every
+        request is validated before any runs: bad input raises and nothing is queued."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ready: queue.SimpleQueue[RequestStream] = queue.SimpleQueue()
+        requests = [
+            self.engine.make_request(p, sp, notify=ready.put) for p, sp in zip(prompts, params)
+        ]
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        self.engine.submit(requests)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = _progress(len(requests)) if use_tqdm else None
+        start, generated, remaining = time.perf_counter(), 0, len(requests)
+        try:
+            while remaining:
+                stream = ready.get()
+                while (delta := stream.get_nowait()) is not None:
+                    i = order[delta.request_id]
+                    results[i] = _merge(results[i], delta)
+                    generated += sum(len(o.token_ids) for o in delta.outputs)
+                    if delta.finished:
+                        remaining -= 1
+                        if bar is not None:
+                            bar.set_postfix_str(
+                                f"{generated / (time.perf_counter() - start):,.0f} tok/s",
+                                refresh=False,
+                            )
+                            bar.update(1)
+        except BaseException:
+            for r in requests:
+                self.engine.abort(r.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's
+        chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a streamed delta into the whole output."""
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
+    by_index = {o.index: o for o in total.outputs}
+    for d in delta.outputs:
+        o = by_index.get(d.index)
+        if o is None:
+            o = by_index[d.index] = CompletionOutput(
+                d.index, "", [], None, [] if d.logprobs is not None else None
+            )
+        o.text += d.text
+        o.token_ids += d.token_ids
+        if d.logprobs is not None:
+            o.logprobs += d.logprobs
+        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+    total.outputs = [by_index[i] for i in sorted(by_index)]
+    total.finished, total.metrics = delta.finished, delta.metrics
+    total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
+    return total
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", dynamic_ncols=True)

@@ -1,0 +1,358 @@
+"""The model on one device: weights, KV cache, step inputs, CUDA graphs; rank 0 also samples.
+
+A step travels as a ``StepInput`` of plain lists (what tensor-parallel workers receive); each
+rank turns it into device tensors with one host-to-device copy and computes slots and
+positions on the device (``nano_kvcache.ops.compute_slot_mapping``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nano_engine.config import EngineConfig
+from nano_kvcache import ops
+from nano_kvcache.layout import KVCacheLayout
+from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
+from nano_models.loader import load_model
+from nano_scheduler import SchedulerOutput
+
+log = logging.getLogger("nano_engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepInput:
+    """One step's batch as plain data: prefill chunks first, then decodes."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]  # context length of each sequence after the step
+    block_tables: list[list[int]]
+    num_prefills: int
+    logits_rows: list[int]  # rows of the hidden states that are sampled
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepInput:
+        ids, query_lens, seq_lens, tables, rows = [], [], [], [], []
+        for chunk in out.prefills:
+            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            ids += seq.token_ids[chunk.start : end]
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            if chunk.samples:
+                rows.append(len(ids) - 1)
+        first = len(ids)
+        for seq in out.decodes:
+            ids.append(seq.token_ids[-1])
+            seq_lens.append(len(seq.token_ids))
+            tables.append(seq.block_table)
+        num_decodes = len(out.decodes)
+        query_lens += [1] * num_decodes
+        rows += range(first, first + num_decodes)
+        return cls(ids, query_lens, seq_lens, tables, len(out.prefills), rows)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    # Half precision matmuls are slow or missing on many CPUs: float32 there.
+    return model_config.dtype if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        tp: TensorParallel,
+        max_model_len: int,
+    ) -> None:
+        self.config, self.model_config, self.device, self.tp = config, model_config, device, tp
+        self.block_size = config.kvcache_block_size
+        self.max_model_len = max_model_len
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.dtype = resolve_dtype(config.dtype, model_config, device)
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        source = model_config if config.load_format == "dummy" else config.model
+        self.model, report = load_model(
+            source,
+            dtype=self.dtype,
+            device=device,
+            tp=tp,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        log.info(
+            "rank %d: loaded %s (%s, %.1f GB read) in %.1f s",
+            tp.rank,
+            model_config.architecture,
+            self.dtype,
+            report.bytes_read / 1e9,
+            time.perf_counter() - start,
+        )
+        self.backend = get_attention_backend(self._backend_name())
+        attn = self.model.attention_layers[0]
+        self.layout = KVCacheLayout(
+            model_config.num_hidden_layers,
+            attn.num_kv_heads,
+            model_config.head_dim,
+            self.block_size,
+            self.dtype,
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.kv_cache = self.layout.allocate(self.num_blocks, device)
+        self.model.bind_kv_cache(self.kv_cache, self.backend)
+        log.info(
+            "rank %d: KV cache of %d blocks x %d tokens = %d tokens (%.2f GB), attention "
+            "backend %s",
+            tp.rank,
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.layout.bytes_per_block / 1e9,
+            self.backend.name,
+        )
+        self.graphs = None
+        if device.type == "cuda" and not config.enforce_eager:
+            if self.backend.supports_cuda_graphs:
+                self.graphs = DecodeGraphs(self, config.max_num_seqs)
+            else:
+                log.info(
+                    "attention backend %s cannot run in CUDA graphs: eager decode",
+                    self.backend.name,
+                )
+
+    def _backend_name(self) -> str:
+        return (
+            "torch" if self.config.attention_backend == "auto" else (self.config.attention_backend)
+        )
+
+    # ---- KV cache sizing ---------------------------------------------------------------------
+
+    def _size_kv_cache(self) -> int:
+        """Blocks that fit this process's memory budget, the same on every rank (their min)."""
+        cfg = self.config
+        if cfg.num_kvcache_blocks is not None:
+            blocks = cfg.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            blocks = self._blocks_from_gpu_memory()
+        else:
+            blocks = int((cfg.kv_cache_memory_gb or 1.0) * 1e9 // self.layout.bytes_per_block)
+        if self.tp.size > 1:
+            count = torch.tensor([blocks], device=self.device)
+            torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            blocks = int(count.item())
+        needed = -(-self.max_model_len // self.block_size)
+        if blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
+                f"sequence of max_model_len {self.max_model_len} needs ({needed}); raise "
+                "gpu_memory_utilization or kv_cache_memory_gb, or lower max_model_len"
+            )
+        return blocks
+
+    def _blocks_from_gpu_memory(self) -> int:
+        """Warm up at the largest batch with a small temporary cache and measure the peak of
+        this process (weights, activations, sampler), plus the activations of the largest
+        captured decode batch (the CUDA-graph pool); the rest of the budget is KV cache."""
+        cfg = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        tokens = min(cfg.max_num_batched_tokens, num_seqs * self.max_model_len)
+        lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        lens = [n for n in lens if n]
+        temp_blocks = sum(-(-n // self.block_size) for n in lens)
+        temp = self.layout.allocate(temp_blocks, self.device)
+        self.model.bind_kv_cache(temp, self.backend)
+        tables, next_block = [], 0
+        for n in lens:
+            count = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        ids = [0] * sum(lens)
+        rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+        logits = self.execute(StepInput(ids, lens, lens, tables, len(lens), rows))
+        if logits is not None:  # the sampler's working set at the largest batch
+            probs = torch.softmax(logits.float(), -1)
+            probs.sort(dim=-1, descending=True)
+            del probs
+        del logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        graph_reserve = 0
+        if not cfg.enforce_eager:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            batch = min(cfg.max_num_seqs, len(tables))
+            width = -(-self.max_model_len // self.block_size)
+            step = StepInput(
+                [0] * batch, [1] * batch, [1] * batch, [[0] * width] * batch, 0, list(range(batch))
+            )
+            self.execute(step)
+            torch.cuda.synchronize(self.device)
+            graph_reserve = torch.cuda.max_memory_allocated(self.device) - base
+        del temp
+        self.model.bind_kv_cache(self.layout.allocate(1, self.device), self.backend)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        temp_bytes = temp_blocks * self.layout.bytes_per_block
+        budget = total * cfg.gpu_memory_utilization - (peak - temp_bytes) - graph_reserve
+        log.info(
+            "rank %d: memory peak %.2f GB (temporary cache %.2f GB), CUDA-graph reserve "
+            "%.2f GB, budget %.2f GB of %.2f GB",
+            self.tp.rank,
+            peak / 1e9,
+            temp_bytes / 1e9,
+            graph_reserve / 1e9,
+            total * cfg.gpu_memory_utilization / 1e9,
+            total / 1e9,
+        )
+        return max(0, int(budget // self.layout.bytes_per_block))
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def tensors(self, step: StepInput, table_width: int | None = None):
+        """Device tensors of a step: input ids, positions and the ForwardContext."""
+        num_seqs = len(step.query_lens)
+        qsl = [0]
+        for n in step.query_lens:
+            qsl.append(qsl[-1] + n)
+        width = table_width or max(len(t) for t in step.block_tables)
+        flat = list(step.input_ids)
+        flat += qsl
+        flat += step.seq_lens
+        flat += [length - n for length, n in zip(step.seq_lens, step.query_lens)]
+        flat += step.logits_rows
+        for table in step.block_tables:
+            flat += table
+            flat += [-1] * (width - len(table))
+        packed = torch.tensor(flat, dtype=torch.int32).to(self.device, non_blocking=True)
+        t = len(step.input_ids)
+        sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows), num_seqs * width]
+        ids, qsl_t, lens_t, start_t, rows_t, tables_t = packed.split(sizes)
+        tables_t = tables_t.view(num_seqs, width)
+        slots, positions = ops.compute_slot_mapping(tables_t, qsl_t, start_t, self.block_size, t)
+        ctx = ForwardContext(
+            num_prefills=step.num_prefills,
+            num_prefill_tokens=qsl[step.num_prefills],
+            num_decodes=num_seqs - step.num_prefills,
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
+            slot_mapping=slots,
+            logits_indices=rows_t,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=step.seq_lens,
+            max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens),
+        )
+        return ids, positions, ctx
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run the model on a step; the logits of its sampled rows (rank 0; None elsewhere)."""
+        if self.graphs is not None and step.num_prefills == 0 and self.graphs.fits(step):
+            hidden, ctx = self.graphs.run(step)
+        else:
+            ids, positions, ctx = self.tensors(step)
+            hidden = self.model(ids, positions, ctx)
+        return self.model.compute_logits(hidden, ctx)
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps for batch sizes 1, 2, 4, 8, 16, 32, ... up to
+    max_num_seqs, sharing one memory pool; a batch runs in the smallest graph that fits it,
+    padded with rows that write nowhere (slot -1) and are never read."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.sizes = sorted(
+            {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+            | set(range(16, max_num_seqs + 1, 16))
+            | {max_num_seqs}
+        )
+        self.width = -(-runner.max_model_len // runner.block_size)
+        biggest = self.sizes[-1]
+        dev = runner.device
+        self.ids = torch.zeros(biggest, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(biggest, dtype=torch.int64, device=dev)
+        self.slots = torch.full((biggest,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=dev)
+        self.tables = torch.full((biggest, self.width), -1, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(biggest + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(biggest, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
+        start = time.perf_counter()
+        pool = None
+        model = runner.model
+        for size in reversed(self.sizes):
+            ctx = self._context(size)
+            with torch.inference_mode():
+                model(self.ids[:size], self.positions[:size], ctx)  # warm-up (compilation)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = model(self.ids[:size], self.positions[:size], ctx)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = (graph, hidden, ctx)
+        torch.cuda.synchronize(dev)
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            biggest,
+            time.perf_counter() - start,
+        )
+
+    def _context(self, size: int) -> ForwardContext:
+        return ForwardContext(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=size,
+            query_start_loc=self.qsl[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.tables[:size],
+            slot_mapping=self.slots[:size],
+            logits_indices=self.rows[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[0] * size,
+            max_query_len=1,
+            max_seq_len=self.runner.max_model_len,
+        )
+
+    def fits(self, step: StepInput) -> bool:
+        return len(step.query_lens) <= self.sizes[-1]
+
+    def run(self, step: StepInput) -> tuple[torch.Tensor, ForwardContext]:
+        batch = len(step.query_lens)
+        size = next(s for s in self.sizes if s >= batch)
+        ids, positions, ctx = self.runner.tensors(step)
+        self.ids[:batch].copy_(ids)
+        self.positions[:batch].copy_(positions)
+        self.slots[:batch].copy_(ctx.slot_mapping)
+        self.slots[batch:size].fill_(-1)
+        self.seq_lens[:batch].copy_(ctx.seq_lens)
+        self.seq_lens[batch:size].fill_(0)
+        width = ctx.block_tables.shape[1]
+        self.tables[:batch, :width].copy_(ctx.block_tables)
+        graph, hidden, _ = self.graphs[size]
+        graph.replay()
+        return hidden[:batch], ctx

@@ -1,0 +1,148 @@
+"""Tensor-parallel workers: ranks 1..N-1 in their own processes, rank 0 in the engine.
+
+Tensors move through torch.distributed (NCCL on GPU, gloo on CPU) on a free port chosen per
+engine; each step's ``StepInput`` goes to every worker over its own pipe. A worker that dies is
+seen within a fraction of a second by ``dead()`` (the engine polls it) and reported with its
+exit code; ``shutdown`` stops and joins every process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nano_engine.config import EngineConfig
+from nano_engine.model_runner import ModelRunner, StepInput
+from nano_models import ModelConfig, TensorParallel
+
+log = logging.getLogger("nano_engine")
+_TIMEOUT = timedelta(minutes=10)  # model loading and graph capture happen under it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=_TIMEOUT,
+        **kwargs,
+    )
+    return TensorParallel.from_group()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _worker_main(
+    rank: int,
+    world: int,
+    port: int,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: str,
+    max_model_len: int,
+    conn,
+) -> None:
+    dev = rank_device(torch.device(device), rank)
+    tp = init_group(rank, world, port, dev)
+    try:
+        runner = ModelRunner(config, model_config, dev, tp, max_model_len)
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            runner.execute(message)
+    except EOFError:
+        pass  # the engine is gone
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.world = config.tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < self.world:
+            raise ValueError(
+                f"tensor_parallel_size {self.world} needs {self.world} GPUs, "
+                f"{torch.cuda.device_count()} are visible"
+            )
+        self.port = free_port()
+        context = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, self.world):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker_main,
+                name=f"nano-engine-tp{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    self.world,
+                    self.port,
+                    config,
+                    model_config,
+                    device.type,
+                    max_model_len,
+                    child,
+                ),
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        log.info(
+            "started %d tensor-parallel workers (pids %s, port %d)",
+            self.world - 1,
+            [p.pid for p in self.procs],
+            self.port,
+        )
+
+    def dead(self) -> str | None:
+        """A message naming the first worker that exited, or None."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return (
+                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode}"
+                )
+        return None
+
+    def send(self, step: StepInput) -> None:
+        for conn in self.conns:
+            conn.send(step)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []

@@ -1,0 +1,172 @@
+"""Sampling on the device, for the whole batch at once.
+
+Per row: min_tokens (eos and stop ids masked), repetition / presence / frequency penalties,
+temperature (0 is greedy), top-k, top-p, min-p, then a draw by the exponential race
+(argmax of p / E with E ~ Exp(1)), which needs no normalization and lets a seeded request
+draw its noise from its own generator: the same seed gives the same tokens whatever else is in
+the batch. Log-probabilities are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nano_engine.outputs import Logprob
+from nano_scheduler import SamplingParams, Sequence
+
+
+@dataclass
+class SamplingBatch:
+    """The per-row parameters of one step, on the device."""
+
+    temperature: torch.Tensor  # [S] float32, 1 for greedy rows
+    greedy: torch.Tensor  # [S] bool
+    top_k: torch.Tensor | None  # [S] int64, vocab size where off
+    top_p: torch.Tensor | None  # [S] float32
+    min_p: torch.Tensor | None  # [S] float32
+    all_greedy: bool
+    masks: list[tuple[int, list[int]]] = field(default_factory=list)  # min_tokens
+    penalties: tuple[torch.Tensor, ...] | None = None  # repetition, presence, frequency [S]
+    penalty_tokens: tuple[list[int], list[int], list[int], list[int]] | None = None
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    logprobs: list[int | None] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
+        self.device, self.vocab_size = device, vocab_size
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence's generator."""
+        self._generators.pop(seq_id, None)
+
+    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
+        params: list[SamplingParams] = [s.params for s in seqs]
+        dev = self.device
+        greedy = [p.temperature == 0 for p in params]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        batch = SamplingBatch(
+            temperature=torch.tensor(temperature, dtype=torch.float32).to(dev),
+            greedy=torch.tensor(greedy).to(dev),
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            all_greedy=all(greedy),
+            logprobs=[p.logprobs for p in params],
+        )
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        if any(0 < p.top_k < self.vocab_size for p in sampled):
+            batch.top_k = torch.tensor(
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+            ).to(dev)
+        if any(p.top_p < 1 for p in sampled):
+            batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
+        if any(p.min_p > 0 for p in sampled):
+            batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
+                batch.masks.append((row, sorted(seq.stop_token_ids)))
+            if p.seed is not None and not greedy[row]:
+                gen = self._generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=dev).manual_seed(p.seed)
+                    self._generators[seq.seq_id] = gen
+                batch.seeded.append((row, gen))
+        if any(
+            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params
+        ):
+            batch.penalties = tuple(
+                torch.tensor([getattr(p, name) for p in params], dtype=torch.float32).to(dev)
+                for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+            )
+            out_rows, out_ids, prompt_rows, prompt_ids = [], [], [], []
+            for row, (seq, p) in enumerate(zip(seqs, params)):
+                if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+                    output = seq.output_token_ids
+                    out_rows += [row] * len(output)
+                    out_ids += output
+                    if p.repetition_penalty != 1:
+                        prompt = seq.prompt_token_ids
+                        prompt_rows += [row] * len(prompt)
+                        prompt_ids += prompt
+            batch.penalty_tokens = (out_rows, out_ids, prompt_rows, prompt_ids)
+        return batch
+
+    @torch.no_grad()
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[Logprob | None]]:
+        """logits [S, V] -> one token id per row, and the requested log-probabilities."""
+        logits = logits.float()
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(k is not None for k in batch.logprobs)
+            else None
+        )
+        for row, ids in batch.masks:
+            logits[row, ids] = float("-inf")
+        if batch.penalties is not None:
+            logits = self._penalize(logits, batch)
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            tokens = torch.where(batch.greedy, tokens, self._draw(logits, batch))
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(token_list)
+        return token_list, self._logprobs(raw_logprobs, tokens, token_list, batch.logprobs)
+
+    def _penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        repetition, presence, frequency = batch.penalties
+        out_rows, out_ids, prompt_rows, prompt_ids = batch.penalty_tokens
+        dev = logits.device
+        counts = torch.zeros_like(logits)
+        if out_ids:
+            index = (torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev))
+            counts.index_put_(index, torch.ones(len(out_ids), device=dev), accumulate=True)
+        seen = counts > 0
+        if prompt_ids:
+            seen[torch.tensor(prompt_rows, device=dev), torch.tensor(prompt_ids, device=dev)] = True
+        rep = repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
+        if batch.top_k is not None or batch.top_p is not None:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+            if batch.top_k is not None:
+                ranks = torch.arange(probs.shape[-1], device=probs.device)
+                drop |= ranks[None, :] >= batch.top_k[:, None]
+            if batch.top_p is not None:
+                # Keep the smallest prefix whose mass reaches top_p (the first token always).
+                before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                drop |= before >= batch.top_p[:, None]
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
+        if batch.min_p is not None:
+            floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in batch.seeded:
+            noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], wanted: list[int | None]
+    ) -> list[Logprob | None]:
+        k = max(w for w in wanted if w is not None)
+        chosen = raw.gather(-1, tokens[:, None])[:, 0].tolist()
+        top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], tokens[:, None][:, :0])
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out: list[Logprob | None] = []
+        for row, w in enumerate(wanted):
+            if w is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[row][:w], top_values[row][:w]))
+            out.append(Logprob(token_list[row], chosen[row], top))
+        return out
