@@ -8,6 +8,7 @@ exit code; ``shutdown`` stops and joins every process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import socket
@@ -134,10 +135,8 @@ class Workers:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():
