@@ -133,7 +133,8 @@ class LLMEngine:
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
-        self.step_times: deque[tuple[float, float, int]] = deque(maxlen=10_000)
+        self.stats = StepStats()
+        self.step_log: list[dict] | None = None  # batch shapes and times, when recording
         self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
         self._thread.start()
         if self.workers is not None:
@@ -296,11 +297,15 @@ class LLMEngine:
             self._touch(touched, seq)
         if not out.is_empty:
             step = StepInput.of(out)
+            if self.step_log is not None:
+                self.step_log.append(_shape(out))
             if self.workers is not None:
                 self.workers.send(step)
+            launched = time.perf_counter()
             logits = self.runner.execute(step)
             seqs = out.sampling_seqs
             tokens, logprobs = self.sampler(logits, self.sampler.prepare(seqs))
+            sampled = time.perf_counter()  # tokens are on the host: the device is done
             self.scheduler.update(out, tokens)
             for seq, token, logprob in zip(seqs, tokens, logprobs):
                 request, index = self._touch(touched, seq)
@@ -312,10 +317,16 @@ class LLMEngine:
                     request.stop_reasons[index] = detok.stop_reason
                 elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
                     request.stop_reasons[index] = token
-            self.step_times.append((start, time.perf_counter() - start, out.num_batched_tokens))
         now = time.monotonic()
         for request, indices in touched.values():
             self._publish(request, indices, now)
+        if not out.is_empty:
+            end = time.perf_counter()
+            self.stats.record(
+                launched - start + end - sampled, sampled - launched, out.num_batched_tokens
+            )
+            if self.step_log is not None:
+                self.step_log[-1]["seconds"] = sampled - launched
 
     def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
         request, index = self._seq_owner[seq.seq_id]
@@ -415,6 +426,37 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+@dataclass
+class StepStats:
+    """Where step time goes: host work (schedule, inputs, update, detokenize, publish) against
+    the model and sampler until the sampled tokens are on the host."""
+
+    steps: int = 0
+    host_seconds: float = 0.0
+    device_seconds: float = 0.0
+    tokens: int = 0
+
+    def record(self, host: float, device: float, tokens: int) -> None:
+        self.steps += 1
+        self.host_seconds += host
+        self.device_seconds += device
+        self.tokens += tokens
+
+    @property
+    def host_share(self) -> float:
+        total = self.host_seconds + self.device_seconds
+        return self.host_seconds / total if total else 0.0
+
+
+def _shape(out) -> dict:
+    """A step's batch in the form of nano_scheduler.sim's fitted cost model samples."""
+    return {
+        "prefills": [[c.num_tokens, c.start] for c in out.prefills],
+        "decodes": [len(s.token_ids) for s in out.decodes],
+        "num_sampled": len(out.sampling_seqs),
+    }
 
 
 def _shutdown_if_alive(ref: weakref.ref) -> None:

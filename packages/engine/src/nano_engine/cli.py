@@ -1,0 +1,204 @@
+"""The nano-engine command: generate text, or run nano-vllm's throughput benchmark.
+
+nano-engine generate MODEL --prompt "Hello" [--max-tokens 64] [--temperature 0]
+nano-engine bench MODEL --load-format dummy [--num-seqs 256] [--input-len 100 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from nano_engine.config import EngineConfig
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One --option per EngineConfig field (model is positional)."""
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = next(
+                (t for t in (int, float, str) if t in typing.get_args(hint) or t is hint), str
+            )
+            group.add_argument(flag, type=kind, default=default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
+
+
+def sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sample-seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=None)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="nano-engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="complete prompts")
+    gen.add_argument("model", help="checkpoint directory")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    sampling_options(gen)
+    add_engine_options(gen)
+
+    bench = commands.add_parser("bench", help="nano-vllm's throughput benchmark")
+    bench.add_argument(
+        "model", help="checkpoint directory, or a config.json with --load-format dummy"
+    )
+    bench.add_argument("--num-seqs", type=int, default=256)
+    bench.add_argument(
+        "--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+    )
+    bench.add_argument(
+        "--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+    )
+    bench.add_argument("--bench-seed", type=int, default=0, help="seed of the workload")
+    bench.add_argument("--json", type=Path, help="write the results as JSON")
+    bench.add_argument(
+        "--step-log",
+        type=Path,
+        help="write every step's batch shape and time (a fitted cost model's "
+        "samples for nano-sim --fitted)",
+    )
+    add_engine_options(bench)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            return generate(args)
+        return bench(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"nano-engine: error: {e}", file=sys.stderr)
+        return 2
+
+
+def generate(args: argparse.Namespace) -> int:
+    from nano_engine import LLM, SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: give --prompt or --prompts-file")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sample_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        print(f"--- prompt: {prompt!r}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from nano_engine import LLM, SamplingParams
+
+    kwargs = engine_kwargs(args)
+    if kwargs["load_format"] == "dummy" and kwargs["tokenizer"] is None:
+        kwargs["skip_tokenizer_init"] = True
+    # nano-vllm's bench.py: the same draws from the same generator.
+    rng = random.Random(args.bench_seed)
+    lo, hi = args.input_len
+    prompts = [
+        [rng.randint(0, 10_000) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_seqs)
+    ]
+    lo, hi = args.output_len
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi))
+        for _ in range(args.num_seqs)
+    ]
+    with LLM(args.model, **kwargs) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        engine = llm.engine
+        engine.stats.__init__()
+        if args.step_log:
+            engine.step_log = []
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = engine.stats
+        result = {
+            "num_seqs": args.num_seqs,
+            "input_tokens": sum(len(p) for p in prompts),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "seconds": elapsed,
+            "steps": stats.steps,
+            "host_share": stats.host_share,
+            "kv_blocks": engine.runner.num_blocks,
+            "kv_tokens": engine.runner.num_blocks * engine.config.kvcache_block_size,
+            "preemptions": engine.scheduler.num_preemptions,
+            "attention_backend": engine.runner.backend.name,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "device": str(engine.runner.device),
+        }
+        step_log = engine.step_log
+    result["output_tok_per_s"] = result["output_tokens"] / elapsed
+    result["total_tok_per_s"] = (result["output_tokens"] + result["input_tokens"]) / elapsed
+    print(
+        f"Total: {result['output_tokens']} output tokens ({result['input_tokens']} input), "
+        f"Time: {elapsed:.2f}s, Throughput: {result['output_tok_per_s']:,.2f} output tok/s, "
+        f"{result['total_tok_per_s']:,.2f} total tok/s"
+    )
+    print(
+        f"steps: {stats.steps}, host share of step time: {stats.host_share:.1%}, KV capacity: "
+        f"{result['kv_blocks']} blocks = {result['kv_tokens']:,} tokens, preemptions: "
+        f"{result['preemptions']}, attention: {result['attention_backend']}, CUDA graphs: "
+        f"{result['cuda_graphs']}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.step_log:
+        args.step_log.write_text(json.dumps({"samples": step_log}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

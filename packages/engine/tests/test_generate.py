@@ -1,0 +1,44 @@
+"""Greedy outputs of LLM.generate equal transformers' generate, token for token, on tiny random
+Qwen3, Qwen2 and Llama checkpoints: with prefix caching on and off, with chunked prefill forced
+by a small token budget, and with a KV pool so small that sequences are preempted."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
+
+from nano_engine import LLM, SamplingParams
+
+MODES = {
+    "prefix-caching": {"kvcache_block_size": 4},
+    "no-prefix-caching": {"kvcache_block_size": 16, "enable_prefix_caching": False},
+    "chunked-prefill": {"kvcache_block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
+    "preemption": {"kvcache_block_size": 4, "num_kvcache_blocks": 40, "max_model_len": 128},
+}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+def reference(request, checkpoints):
+    path = checkpoints(request.param)
+    return path, hf_greedy(path, sample_prompts())
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_matches_transformers(reference, mode):
+    path, expected = reference
+    with LLM(path, **MODES[mode]) as llm:
+        outputs = llm.generate(
+            sample_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False
+        )
+        engine = llm.engine
+        if mode == "prefix-caching":
+            assert engine.block_manager.hit_tokens > 0
+        if mode == "no-prefix-caching":
+            assert engine.block_manager.hit_tokens == 0
+        if mode == "preemption":
+            assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for out, ids in zip(outputs, sample_prompts()):
+        assert out.prompt_token_ids == ids and out.finished
+        assert out.outputs[0].finish_reason in ("length", "stop")

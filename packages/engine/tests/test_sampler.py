@@ -1,0 +1,136 @@
+"""The sampler against independent computations on random logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nano_engine.sampler import Sampler
+from nano_scheduler import SamplingParams, Sequence
+
+VOCAB = 50
+
+
+def seqs_for(params: list[SamplingParams], outputs: list[list[int]] | None = None):
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(i, [1, 2, 3], p)
+        seq.token_ids += outputs[i] if outputs else []
+        seq.stop_token_ids = frozenset({7})
+        seqs.append(seq)
+    return seqs
+
+
+def allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens a filter keeps, computed one token at a time in float64."""
+    probs = torch.softmax(logits.double() / p.temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    keep, mass = set(), 0.0
+    for rank, t in enumerate(order):
+        if p.top_k and rank >= p.top_k:
+            break
+        if p.top_p < 1 and mass >= p.top_p:
+            break
+        keep.add(t)
+        mass += probs[t]
+    top = max(probs)
+    return {t for t in keep if probs[t] >= p.min_p * top}
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.5),
+        SamplingParams(temperature=1.3, min_p=0.2),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.8, min_p=0.05),
+    ],
+)
+def test_filters_never_emit_a_token_outside_the_allowed_set(p):
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    logits = torch.randn(64, VOCAB, generator=g) * 3
+    seen = set()
+    for _ in range(20):
+        tokens, _ = sampler(logits.clone(), sampler.prepare(seqs_for([p] * 64)))
+        for row, token in enumerate(tokens):
+            assert token in allowed(logits[row], p), (row, token)
+            seen.add((row, token))
+    assert len(seen) > 64  # it does sample, not only pick the top token
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
+    tokens, _ = sampler(logits.clone(), sampler.prepare(seqs_for(params)))
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_a_seeded_request_reproduces_in_any_batch():
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(VOCAB, generator=g)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(position: int, batch: int) -> list[int]:
+        sampler = Sampler(torch.device("cpu"), VOCAB)
+        params = [SamplingParams(temperature=1.0)] * batch
+        params[position] = seeded
+        tokens = []
+        for _ in range(10):
+            logits = torch.randn(batch, VOCAB, generator=g)
+            logits[position] = row
+            out, _ = sampler(logits, sampler.prepare(seqs_for(params)))
+            tokens.append(out[position])
+        return tokens
+
+    first = draw(0, 1)
+    assert draw(3, 8) == first and draw(5, 6) == first
+    assert len(set(first)) > 1
+
+
+def test_penalties_move_logits_as_defined():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    outputs = [[5, 5, 9], [11]]
+    params = [
+        SamplingParams(
+            temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25
+        ),
+        SamplingParams(temperature=0, repetition_penalty=0.8),
+    ]
+    seqs = seqs_for(params, outputs)
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    batch = sampler.prepare(seqs)
+    got = sampler._penalize(logits.clone(), batch)
+    for row, (seq, p) in enumerate(zip(seqs, params)):
+        for t in range(VOCAB):
+            x = logits[row, t].item()
+            count = seq.output_token_ids.count(t)
+            if count or t in seq.prompt_token_ids:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            assert got[row, t].item() == pytest.approx(x, abs=1e-6), (row, t)
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 100.0  # token 7 is the stop token of seqs_for
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    params = [SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0)]
+    tokens, _ = sampler(logits, sampler.prepare(seqs_for(params)))
+    assert tokens[0] != 7 and tokens[1] == 7
+
+
+def test_logprobs_of_the_sampled_and_top_tokens():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
+    tokens, logprobs = sampler(logits.clone(), sampler.prepare(seqs_for(params)))
+    reference = torch.log_softmax(logits[0].double(), -1)
+    lp = logprobs[0]
+    assert lp.token_id == tokens[0] and math.isclose(lp.logprob, reference[tokens[0]], abs_tol=1e-5)
+    best = reference.topk(3)
+    assert [t for t, _ in lp.top] == best.indices.tolist()
+    assert logprobs[1] is None

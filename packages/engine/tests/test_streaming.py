@@ -1,0 +1,210 @@
+"""The streaming engine: incremental outputs, stop strings, abort, async iteration, chat,
+logprobs and n > 1, and bad input that leaves the engine serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from nano_engine import LLM, EngineDeadError, SamplingParams
+from nano_models.testing import load_reference
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    with LLM(checkpoints("qwen3"), kvcache_block_size=4) as llm:
+        yield llm
+
+
+def greedy(max_tokens=40, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_increments_concatenate_to_the_final_text(llm):
+    prompt = "Ünïcödé and 中文 🙂 text:"
+    stream = llm.engine.add_request(prompt, greedy(48))
+    deltas = list(stream)
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+    text = "".join(d.outputs[0].text for d in deltas)
+    ids = sum((d.outputs[0].token_ids for d in deltas), [])
+    assert len(ids) == 48
+    assert text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == llm.generate(prompt, greedy(48), use_tqdm=False)[0].outputs[0].text
+
+
+def test_stop_strings_across_token_boundaries_are_cut(llm):
+    prompt = "The quick brown fox"
+    full = llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
+    tokens = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    # A stop string that starts inside one token's text and ends inside a later one.
+    boundary = next(len(t) for t in tokens if len(t) >= 6)
+    stop = full.text[boundary - 2 : boundary + 3]
+    assert len(stop) == 5
+    cut = full.text[: full.text.index(stop)]
+    stream = llm.engine.add_request(prompt, greedy(stop=[stop]))
+    deltas = list(stream)
+    assert "".join(d.outputs[0].text for d in deltas) == cut
+    last = deltas[-1].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    kept = llm.generate(
+        prompt, greedy(stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == cut + stop
+
+
+def test_abort_frees_the_blocks(llm):
+    engine = llm.engine
+    stream = engine.add_request("A long answer please", greedy(2000))
+    first = stream.get(timeout=30)
+    assert first is not None and not first.finished
+    engine.abort(first.request_id)
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished()
+
+
+def test_async_iteration(llm):
+    async def consume():
+        stream = llm.engine.add_request("Async", greedy(12))
+        return [out async for out in stream]
+
+    outputs = asyncio.run(consume())
+    assert outputs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outputs) == 12
+
+
+def test_requests_from_many_threads(llm):
+    results = {}
+
+    def worker(i):
+        results[i] = llm.generate(f"Thread {i} says", greedy(10), use_tqdm=False)[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(6))
+    for i, out in results.items():
+        alone = llm.generate(f"Thread {i} says", greedy(10), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = llm.chat(messages, greedy(8), use_tqdm=False)[0]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = llm.tokenizer(text, add_special_tokens=False).input_ids
+    assert chat.prompt_token_ids == ids
+    assert (
+        chat.outputs[0].token_ids
+        == llm.generate(ids, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    )
+
+
+def test_logprobs_match_transformers(llm, checkpoints):
+    ids = llm.tokenizer("Logprobs of").input_ids
+    out = llm.generate(ids, greedy(3, logprobs=4), use_tqdm=False)[0].outputs[0]
+    hf = load_reference(checkpoints("qwen3"))
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0] == expected.argmax().item()
+    assert first.logprob == pytest.approx(expected[first.token_id].item(), abs=1e-4)
+    assert [t for t, _ in first.top] == expected.topk(4).indices.tolist()
+    assert len(out.logprobs) == 3
+
+
+def test_n_samples(llm):
+    out = llm.generate(
+        "Several",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    again = llm.generate(
+        "Several",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_a_seeded_request_reproduces_inside_different_batches(llm):
+    params = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Seeded", params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = ["Other prompt number one", "Seeded", "And another"]
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(crowd, [others, params, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_bad_input_raises_and_the_engine_keeps_serving(llm):
+    good = "Still serving"
+    expected = llm.generate(good, greedy(5), use_tqdm=False)[0].outputs[0].token_ids
+    vocab = llm.engine.model_config.vocab_size
+    bad = [
+        (
+            lambda: llm.generate([5] * 600, greedy(5), use_tqdm=False),
+            ValueError,
+            r"prompt \(600 tokens\) is longer than the maximum model length of 512",
+        ),
+        (lambda: llm.generate("", greedy(5), use_tqdm=False), ValueError, "empty"),
+        (lambda: llm.generate([[]], greedy(5), use_tqdm=False), ValueError, "empty"),
+        (
+            lambda: llm.generate([1, vocab + 5], greedy(5), use_tqdm=False),
+            ValueError,
+            "outside the vocabulary",
+        ),
+        (
+            lambda: llm.generate([1, -1], greedy(5), use_tqdm=False),
+            ValueError,
+            "outside the vocabulary",
+        ),
+        (lambda: llm.generate(good, SamplingParams(top_p=0), use_tqdm=False), ValueError, "top_p"),
+        (
+            lambda: llm.generate(good, {"temperature": 0}, use_tqdm=False),
+            TypeError,
+            "SamplingParams",
+        ),
+        (lambda: llm.generate([good, ""], greedy(5), use_tqdm=False), ValueError, "empty"),
+    ]
+    for call, error, message in bad:
+        with pytest.raises(error, match=message):
+            call()
+        assert not llm.engine.has_unfinished()  # nothing of a bad batch was queued
+        assert llm.generate(good, greedy(5), use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_bad_engine_configuration(checkpoints, tmp_path):
+    path = checkpoints("qwen3")
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_batch'\]"):
+        LLM(path, max_batch=4)
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(str(tmp_path))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{path}/{name}", no_weights)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+        LLM(str(no_weights))
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        LLM(path, max_num_seqs=0)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        LLM(path, max_model_len=10**6)
+    config = json.loads(open(f"{path}/config.json").read())
+    assert config["max_position_embeddings"] == 512
+
+
+def test_shutdown_fails_new_requests(checkpoints):
+    llm = LLM(checkpoints("qwen3"))
+    llm.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate("after", greedy(3), use_tqdm=False)
