@@ -4,7 +4,6 @@ logprobs and n > 1, and bad input that leaves the engine serving."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import threading
 
@@ -31,7 +30,7 @@ def test_increments_concatenate_to_the_final_text(llm):
     deltas = list(stream)
     assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
     text = "".join(d.outputs[0].text for d in deltas)
-    ids = sum((d.outputs[0].token_ids for d in deltas), [])
+    ids = [t for d in deltas for t in d.outputs[0].token_ids]
     assert len(ids) == 48
     assert text == llm.tokenizer.decode(ids, skip_special_tokens=True)
     assert text == llm.generate(prompt, greedy(48), use_tqdm=False)[0].outputs[0].text
@@ -187,7 +186,7 @@ def test_bad_engine_configuration(checkpoints, tmp_path):
     path = checkpoints("qwen3")
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_batch'\]"):
         LLM(path, max_batch=4)
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match=r"has no config\.json"):
         LLM(str(tmp_path))
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
@@ -199,8 +198,6 @@ def test_bad_engine_configuration(checkpoints, tmp_path):
         LLM(path, max_num_seqs=0)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         LLM(path, max_model_len=10**6)
-    config = json.loads(open(f"{path}/config.json").read())
-    assert config["max_position_embeddings"] == 512
 
 
 def test_shutdown_fails_new_requests(checkpoints):
