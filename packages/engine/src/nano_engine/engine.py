@@ -409,7 +409,8 @@ class LLMEngine:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
+            # A loop blocked in a collective with a dead worker never returns: do not wait long.
+            self._thread.join(timeout=2 if self.error is not None else 30)
         self._stop_workers()
 
     def _stop_workers(self) -> None:

@@ -1,0 +1,45 @@
+"""The nano-engine command, run for real in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = Path(__file__).resolve().parents[3] / "benchmarks" / "configs" / "tiny-qwen3.json"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "nano_engine.cli", *args], capture_output=True,
+                          text=True, check=False, timeout=300)
+
+
+def test_generate(checkpoints, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\nThe quick brown fox\n")
+    proc = run("generate", checkpoints("qwen3"), "--prompt", "First", "--prompts-file",
+               str(prompts), "--max-tokens", "8", "--ignore-eos", "--kvcache-block-size", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--- prompt:") == 3 and "'The quick brown fox'" in proc.stdout
+
+
+def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
+    out = tmp_path / "bench.json"
+    steps = tmp_path / "steps.json"
+    proc = run("bench", str(TINY), "--load-format", "dummy", "--num-seqs", "16", "--input-len",
+               "8", "32", "--output-len", "8", "32", "--max-model-len", "256", "--json", str(out),
+               "--step-log", str(steps))
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stdout and "host share of step time" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["num_seqs"] == 16 and result["output_tokens"] > 0
+    samples = json.loads(steps.read_text())["samples"]
+    assert len(samples) == result["steps"] and all(s["seconds"] > 0 for s in samples)
+
+
+def test_bad_arguments_are_reported():
+    proc = run("bench", "/nonexistent", "--load-format", "dummy")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = run("generate", str(TINY), "--prompt", "x")
+    assert proc.returncode == 2 and "is a file" in proc.stderr
