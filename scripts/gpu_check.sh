@@ -1,29 +1,45 @@
 #!/usr/bin/env bash
 # GPU checks: install every package in place with this machine's python, run the GPU-marked tests
-# and the kernel benchmarks, print a short table last. This is what runs on the H200 (no network,
-# no nox); `nox -s gpu` calls it too. Results (logs, JSON) go to $OUT when it is set.
+# and the benchmarks, print a short table last. This is what runs on the H200 (no network, no
+# nox); `nox -s gpu` calls it too. Logs and JSON go to $OUT when it is set.
+#   scripts/gpu_check.sh [tests|bench|all] [extra nano-engine bench arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d)}
-export PYTHONUNBUFFERED=1
+WHAT=${1:-all}
+shift || true
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-echo "== install ($($PY --version), torch $($PY -c "import torch; print(torch.__version__)"), scikit-build-core $($PY -c "import scikit_build_core as s; print(s.__version__)"))"
+echo "== install ($($PY --version), torch $($PY -c "import torch; print(torch.__version__)"))"
 for pkg in packages/*/; do
   $PY -m pip install -q --no-build-isolation --no-deps -e "$pkg" 2>&1 | tail -n 3
 done
 $PY -c 'from nano_kvcache import ops; assert ops.extension_available(), "extension not built"'
 
-echo "== GPU tests"
-set +e
-$PY -m pytest -q -m gpu packages/*/tests tests "$@" 2>&1 | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
-set -e
+tests_rc=0
+if [[ $WHAT == tests || $WHAT == all ]]; then
+  echo "== GPU tests"
+  set +e
+  $PY -m pytest -q -m gpu packages/*/tests tests 2>&1 | tee "$OUT/gpu_tests.log"
+  tests_rc=${PIPESTATUS[0]}
+  set -e
+fi
 
-echo "== benchmarks"
-$PY benchmarks/bench_store_kvcache.py --json "$OUT/bench_store_kvcache.json" | tee "$OUT/bench.log"
+if [[ $WHAT == bench || $WHAT == all ]]; then
+  echo "== benchmarks"
+  $PY benchmarks/bench_store_kvcache.py --json "$OUT/bench_store_kvcache.json" \
+    | tee "$OUT/bench_kernels.log"
+  # nano-vllm's benchmark: Qwen3-0.6B config, dummy weights, 256 requests of 100-1024 in and out.
+  for backend in torch; do
+    nano-engine bench benchmarks/configs/qwen3-0.6b.json --load-format dummy \
+      --attention-backend "$backend" --max-model-len 2048 --json "$OUT/engine_$backend.json" "$@" \
+      | tee "$OUT/engine_$backend.log"
+  done
+fi
 
 echo "== summary"
-echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
-cat "$OUT/bench.log"
+[[ -f $OUT/gpu_tests.log ]] && echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
+[[ -f $OUT/bench_kernels.log ]] && cat "$OUT/bench_kernels.log"
+for f in "$OUT"/engine_*.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(head -n 2 "$f")"; done
 exit "$tests_rc"

@@ -1,0 +1,64 @@
+"""On a CUDA GPU: greedy equality with transformers in fp32 with and without CUDA graphs, and in
+bf16 a top-5 logprob closeness check like vLLM's check_logprobs_close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
+
+from nano_engine import LLM, SamplingParams
+from nano_models.testing import load_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, arch):
+    path = checkpoints(arch)
+    expected = hf_greedy(path, sample_prompts())
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager,
+                 kvcache_block_size=4, max_num_seqs=16, gpu_memory_utilization=0.3) as llm:
+            assert (llm.engine.runner.graphs is None) == eager
+            outputs = llm.generate(sample_prompts(), SamplingParams(
+                temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, f"enforce_eager={eager}"
+
+
+def hf_greedy_logprobs(path, prompt, steps, k):
+    model = load_reference(path, dtype=torch.bfloat16).cuda()
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, -1)
+            top = logprobs.topk(k)
+            token = int(top.indices[0])
+            out.append((token, dict(zip(top.indices.tolist(), top.values.tolist()))))
+            ids.append(token)
+    return out
+
+
+def test_bf16_top5_logprobs_are_close_to_transformers(checkpoints):
+    """Greedy paths may diverge in bf16; until they do, each side's token must be among the
+    other's top 5, and after the first divergence the comparison stops (vLLM's rule)."""
+    path = checkpoints("qwen3", dtype=torch.bfloat16)
+    with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
+        assert llm.engine.runner.dtype == torch.bfloat16
+        ours = llm.generate(sample_prompts(), SamplingParams(
+            temperature=0, max_tokens=16, logprobs=5, ignore_eos=True), use_tqdm=False)
+    compared = 0
+    for prompt, out in zip(sample_prompts(), ours):
+        reference = hf_greedy_logprobs(path, prompt, 16, 5)
+        for lp, (hf_token, hf_top) in zip(out.outputs[0].logprobs, reference):
+            our_top = dict(lp.top)
+            assert lp.token_id in hf_top and hf_token in our_top, (prompt, lp, hf_token)
+            compared += 1
+            if lp.token_id != hf_token:
+                break
+            assert abs(lp.logprob - hf_top[hf_token]) < 0.1
+    assert compared >= 8 * 4
