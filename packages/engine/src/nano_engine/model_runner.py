@@ -61,8 +61,10 @@ class StepInput:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
