@@ -110,6 +110,7 @@ class ModelRunner:
             time.perf_counter() - start,
         )
         self.backend = get_attention_backend(self._backend_name())
+        self.graphs: DecodeGraphs | None = None
         attn = self.model.attention_layers[0]
         self.layout = KVCacheLayout(
             model_config.num_hidden_layers,
@@ -131,7 +132,6 @@ class ModelRunner:
             self.num_blocks * self.layout.bytes_per_block / 1e9,
             self.backend.name,
         )
-        self.graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.supports_cuda_graphs:
                 self.graphs = DecodeGraphs(self, config.max_num_seqs)

@@ -68,12 +68,14 @@ def load_model(
 
 
 def _fill_random(model: nn.Module, seed: int) -> nn.Module:
-    generator = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        values = torch.randn(param.shape, generator=generator) * 0.02
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        param.data.normal_(0.0, 0.02, generator=generators[device])
         if name.endswith("norm.weight"):
-            values += 1.0
-        param.data.copy_(values)
+            param.data += 1.0
     return model
 
 
