@@ -412,6 +412,8 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         self._stop_workers()
+        if not self._thread.is_alive():
+            self.runner.close()
 
     def _stop_workers(self) -> None:
         if self.workers is not None:

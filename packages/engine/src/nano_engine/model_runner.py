@@ -230,6 +230,17 @@ class ModelRunner:
         )
         return max(0, int(budget // self.layout.bytes_per_block))
 
+    def close(self) -> None:
+        """Free the device memory: graphs, KV cache, weights."""
+        self.graphs = None
+        self.kv_cache = None
+        self.model = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # ---- a step ------------------------------------------------------------------------------
 
     def tensors(self, step: StepInput, table_width: int | None = None):

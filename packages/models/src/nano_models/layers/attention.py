@@ -109,8 +109,8 @@ class TorchAttention(AttentionBackend):
         valid = key_pos < lens_t  # [B, 1, keys]
         # Slots past a sequence's end hold whatever was there (NaN included): zero them, since
         # a masked score times a NaN value is still NaN.
-        keys = gather(k_cache).masked_fill(~valid[..., None], 0)
-        values = gather(v_cache).masked_fill(~valid[..., None], 0)
+        keys = gather(k_cache).masked_fill_(~valid[..., None], 0)
+        values = gather(v_cache).masked_fill_(~valid[..., None], 0)
         query_pos = lens_t - n + torch.arange(n, device=q.device)[None, :, None]
         mask = (key_pos <= query_pos) & valid  # [B, n, keys]
         queries = q.view(batch, n, *q.shape[1:]).transpose(1, 2)  # [B, heads, n, head_dim]
