@@ -4,7 +4,8 @@ nox -s tests          fresh venv, CPU torch, every package, pytest over all CPU 
 nox -s lint           ruff check and ruff format --check
 nox -s build          sdists and wheels of every package into dist/, each installed and imported
 nox -s gpu            GPU tests and kernel benchmarks with the current interpreter (an H200)
-nox -s bench          CPU benchmarks (block manager)
+nox -s bench          CPU benchmarks (block manager, scheduler, simulator)
+nox -s demo           the main job: the engine on this machine (generation, then a benchmark)
 """
 
 from __future__ import annotations
@@ -92,3 +93,10 @@ def bench(session: nox.Session) -> None:
     install_packages(session, cuda=False)
     session.run("python", "benchmarks/bench_block_manager.py")
     session.run("python", "benchmarks/bench_scheduler.py", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: generation with a tiny random checkpoint, then nano-vllm's benchmark."""
+    install_packages(session, cuda=False)
+    session.run("python", "scripts/demo.py", *session.posargs)

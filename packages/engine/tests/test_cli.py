@@ -11,15 +11,31 @@ TINY = Path(__file__).resolve().parents[3] / "benchmarks" / "configs" / "tiny-qw
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "nano_engine.cli", *args], capture_output=True,
-                          text=True, check=False, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "nano_engine.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
 
 
 def test_generate(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nThe quick brown fox\n")
-    proc = run("generate", checkpoints("qwen3"), "--prompt", "First", "--prompts-file",
-               str(prompts), "--max-tokens", "8", "--ignore-eos", "--kvcache-block-size", "8")
+    proc = run(
+        "generate",
+        checkpoints("qwen3"),
+        "--prompt",
+        "First",
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--kvcache-block-size",
+        "8",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--- prompt:") == 3 and "'The quick brown fox'" in proc.stdout
 
@@ -27,9 +43,26 @@ def test_generate(checkpoints, tmp_path):
 def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
     out = tmp_path / "bench.json"
     steps = tmp_path / "steps.json"
-    proc = run("bench", str(TINY), "--load-format", "dummy", "--num-seqs", "16", "--input-len",
-               "8", "32", "--output-len", "8", "32", "--max-model-len", "256", "--json", str(out),
-               "--step-log", str(steps))
+    proc = run(
+        "bench",
+        str(TINY),
+        "--load-format",
+        "dummy",
+        "--num-seqs",
+        "16",
+        "--input-len",
+        "8",
+        "32",
+        "--output-len",
+        "8",
+        "32",
+        "--max-model-len",
+        "256",
+        "--json",
+        str(out),
+        "--step-log",
+        str(steps),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "output tok/s" in proc.stdout and "host share of step time" in proc.stdout
     result = json.loads(out.read_text())

@@ -18,14 +18,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 def test_tp2_gives_the_tokens_of_tp1_and_a_dead_worker_is_reported(checkpoints):
     path = checkpoints("qwen3")
     with LLM(path, kvcache_block_size=4, device="cpu") as llm:
-        expected = [o.outputs[0].token_ids
-                    for o in llm.generate(sample_prompts(), GREEDY, use_tqdm=False)]
+        expected = [
+            o.outputs[0].token_ids for o in llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+        ]
     with LLM(path, kvcache_block_size=4, device="cpu", tensor_parallel_size=2) as llm:
         outputs = llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         worker = llm.engine.workers.procs[0]
-        stream = llm.engine.add_request(sample_prompts()[0], SamplingParams(
-            temperature=0, max_tokens=400, ignore_eos=True))
+        stream = llm.engine.add_request(
+            sample_prompts()[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        )
         assert stream.get(timeout=60) is not None
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()

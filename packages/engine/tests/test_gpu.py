@@ -21,11 +21,21 @@ def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, a
     path = checkpoints(arch)
     expected = hf_greedy(path, sample_prompts())
     for eager in (True, False):
-        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager,
-                 kvcache_block_size=4, max_num_seqs=16, gpu_memory_utilization=0.3) as llm:
+        with LLM(
+            path,
+            device="cuda",
+            dtype="float32",
+            enforce_eager=eager,
+            kvcache_block_size=4,
+            max_num_seqs=16,
+            gpu_memory_utilization=0.3,
+        ) as llm:
             assert (llm.engine.runner.graphs is None) == eager
-            outputs = llm.generate(sample_prompts(), SamplingParams(
-                temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+            outputs = llm.generate(
+                sample_prompts(),
+                SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                use_tqdm=False,
+            )
         assert [o.outputs[0].token_ids for o in outputs] == expected, f"enforce_eager={eager}"
 
 
@@ -49,8 +59,11 @@ def test_bf16_top5_logprobs_are_close_to_transformers(checkpoints):
     path = checkpoints("qwen3", dtype=torch.bfloat16)
     with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
         assert llm.engine.runner.dtype == torch.bfloat16
-        ours = llm.generate(sample_prompts(), SamplingParams(
-            temperature=0, max_tokens=16, logprobs=5, ignore_eos=True), use_tqdm=False)
+        ours = llm.generate(
+            sample_prompts(),
+            SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True),
+            use_tqdm=False,
+        )
     compared = 0
     for prompt, out in zip(sample_prompts(), ours):
         reference = hf_greedy_logprobs(path, prompt, 16, 5)
