@@ -100,3 +100,13 @@ def test_chunked_prefill_cached_prefix_and_mixed_batches_match_one_shot_prefill(
     ]
     mixed = ours.step([(3, other[5:], 5), (0, [7], 23), (1, [9], 23)], num_prefills=1)
     torch.testing.assert_close(mixed, torch.stack(alone), atol=TOLERANCE, rtol=0)
+
+
+def test_compiled_layers_give_the_same_logits(tmp_path):
+    from nano_models.compile import compile_layers
+
+    path = build_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=False)
+    eager, compiled = PagedRunner(path), PagedRunner(path)
+    compile_layers(compiled.model)
+    chunks = [(i, s, 0) for i, s in enumerate(prompts(4, 100, seed=9))]
+    torch.testing.assert_close(compiled.step(chunks, 4), eager.step(chunks, 4), atol=1e-5, rtol=0)

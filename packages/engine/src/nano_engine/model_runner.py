@@ -17,6 +17,7 @@ from nano_engine.config import EngineConfig
 from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
+from nano_models.compile import compile_layers
 from nano_models.loader import load_model
 from nano_scheduler import SchedulerOutput
 
@@ -109,6 +110,8 @@ class ModelRunner:
             report.bytes_read / 1e9,
             time.perf_counter() - start,
         )
+        if device.type == "cuda" and not config.enforce_eager:
+            compile_layers(self.model)
         self.backend = get_attention_backend(self._backend_name())
         self.graphs: DecodeGraphs | None = None
         attn = self.model.attention_layers[0]

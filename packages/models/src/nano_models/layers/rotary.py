@@ -108,13 +108,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1).float(), persistent=False)
+        self.fn = apply_rotary
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim], k [T, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.fn(self.cos_sin, positions, q, k)
+
+
+def apply_rotary(
+    cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
