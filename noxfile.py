@@ -29,9 +29,10 @@ nox.options.default_venv_backend = "venv"
 def install_packages(session: nox.Session, *, cuda: bool) -> None:
     """Install every package of the monorepo (and torch, constrained to the CPU build)."""
     args = [] if cuda else ["-Ccmake.define.NANO_KVCACHE_CUDA=OFF"]
-    extras = {"kvcache": "[torch]", "scheduler": "[plot]"}
-    targets = [f"{ROOT / 'packages' / name}{extras.get(name, '')}" for name in PACKAGES]
-    session.install(*CONSTRAINTS, *args, *targets)
+    # Extras are named apart: pip does not match a local path given with extras against a
+    # sibling's plain pin. torch: nano-kvcache[torch]; matplotlib: nano-scheduler[plot].
+    targets = [str(ROOT / "packages" / name) for name in PACKAGES]
+    session.install(*CONSTRAINTS, *args, *targets, "torch", "matplotlib")
 
 
 @nox.session
