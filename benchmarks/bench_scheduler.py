@@ -69,7 +69,9 @@ def main() -> None:
         f"  schedule + update: median {statistics.median(times):7.1f} us, "
         f"p90 {statistics.quantiles(times, n=10)[-1]:7.1f} us  (target <= 200 us)"
     )
-    if not args.skip_trace:
+    if not args.skip_trace and not args.trace.is_file():
+        print(f"simulator: no trace at {args.trace} (see ../shared/traces); skipped")
+    elif not args.skip_trace:
         seconds, summary = simulate_trace(args.trace)
         print(
             f"simulator, Azure conversation trace ({summary['requests']} requests, "

@@ -26,7 +26,7 @@ from nano_scheduler.sim import (
 
 ROOT = Path(__file__).resolve().parents[3]
 QWEN3_06B = ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"
-TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+TRACE = Path(__file__).parent / "data" / "azure_llm_2023_conv_head100.csv"
 H200 = GPU("h200", 4.3e12, 790e12, 141e9)
 
 
@@ -132,8 +132,9 @@ def test_shared_prefixes_make_prefix_caching_matter():
 
 
 def test_azure_trace_loading_and_rate_scaling():
-    requests = load_azure_trace(TRACE, limit=100)
+    requests = load_azure_trace(TRACE)
     assert len(requests) == 100 and requests[0].arrival_time == 0.0
+    assert len(load_azure_trace(TRACE, limit=10)) == 10
     assert requests[1].arrival_time == pytest.approx(4.314578)  # 18:15:50.9951690 - 46.6805900
     assert (requests[0].prompt_len, requests[0].output_len) == (374, 44)
     faster = scale_arrivals(requests, 2.0)
