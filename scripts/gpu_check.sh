@@ -30,8 +30,10 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
   echo "== benchmarks"
   $PY benchmarks/bench_store_kvcache.py --json "$OUT/bench_store_kvcache.json" \
     | tee "$OUT/bench_kernels.log"
+  $PY benchmarks/bench_attention.py --json "$OUT/bench_attention.json" \
+    | tee -a "$OUT/bench_kernels.log"
   # nano-vllm's benchmark: Qwen3-0.6B config, dummy weights, 256 requests of 100-1024 in and out.
-  for backend in torch; do
+  for backend in ${ENGINE_BACKENDS:-triton}; do
     nano-engine bench benchmarks/configs/qwen3-0.6b.json --load-format dummy \
       --attention-backend "$backend" --max-model-len 2048 --json "$OUT/engine_$backend.json" "$@" \
       | tee "$OUT/engine_$backend.log"

@@ -16,27 +16,30 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, arch):
+def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, arch, backend):
     path = checkpoints(arch)
     expected = hf_greedy(path, sample_prompts())
     for eager in (True, False):
-        with LLM(
-            path,
-            device="cuda",
-            dtype="float32",
-            enforce_eager=eager,
-            kvcache_block_size=4,
-            max_num_seqs=16,
-            gpu_memory_utilization=0.3,
-        ) as llm:
+        options = {
+            "device": "cuda",
+            "dtype": "float32",
+            "enforce_eager": eager,
+            "kvcache_block_size": 4,
+            "max_num_seqs": 16,
+            "gpu_memory_utilization": 0.3,
+            "attention_backend": backend,
+        }
+        with LLM(path, **options) as llm:
             assert (llm.engine.runner.graphs is None) == eager
+            assert llm.engine.runner.backend.name == backend
             outputs = llm.generate(
                 sample_prompts(),
                 SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
                 use_tqdm=False,
             )
-        assert [o.outputs[0].token_ids for o in outputs] == expected, f"enforce_eager={eager}"
+        assert [o.outputs[0].token_ids for o in outputs] == expected, options
 
 
 def hf_greedy_logprobs(path, prompt, steps, k):
@@ -59,6 +62,7 @@ def test_bf16_top5_logprobs_are_close_to_transformers(checkpoints):
     path = checkpoints("qwen3", dtype=torch.bfloat16)
     with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
         assert llm.engine.runner.dtype == torch.bfloat16
+        assert llm.engine.runner.backend.name == "triton"  # auto, without flash-attn
         ours = llm.generate(
             sample_prompts(),
             SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True),

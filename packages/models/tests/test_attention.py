@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
+from nano_kvcache.reference import paged_attention_reference
 from nano_models import ForwardContext, get_attention_backend
-from nano_models.testing import paged_attention_reference
+from nano_models.layers.attention import choose_attention_backend
 
 
 def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu"):
@@ -76,6 +77,16 @@ def test_unknown_backend_lists_the_available_ones():
     with pytest.raises(
         ValueError,
         match=r"unknown attention backend 'flash'; available: "
-        r"\['torch'",
+        r"\['flash_attn', 'torch', 'triton'\]",
     ):
         get_attention_backend("flash")
+
+
+def test_backend_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_attention_backend("auto", cpu, 16) == "torch"
+    assert choose_attention_backend("torch", cuda, 16) == "torch"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        choose_attention_backend("triton", cpu, 16)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        choose_attention_backend("flash_attn", cuda, 16)

@@ -18,6 +18,7 @@ from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
 from nano_models.compile import compile_layers
+from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
 from nano_scheduler import SchedulerOutput
 
@@ -112,7 +113,11 @@ class ModelRunner:
         )
         if device.type == "cuda" and not config.enforce_eager:
             compile_layers(self.model)
-        self.backend = get_attention_backend(self._backend_name())
+        backend = choose_attention_backend(config.attention_backend, device, self.block_size)
+        self.backend = get_attention_backend(backend)
+        log.info(
+            "rank %d: attention backend %s (asked: %s)", tp.rank, backend, config.attention_backend
+        )
         self.graphs: DecodeGraphs | None = None
         attn = self.model.attention_layers[0]
         self.layout = KVCacheLayout(
@@ -143,11 +148,6 @@ class ModelRunner:
                     "attention backend %s cannot run in CUDA graphs: eager decode",
                     self.backend.name,
                 )
-
-    def _backend_name(self) -> str:
-        return (
-            "torch" if self.config.attention_backend == "auto" else (self.config.attention_backend)
-        )
 
     # ---- KV cache sizing ---------------------------------------------------------------------
 

@@ -116,26 +116,3 @@ def load_reference(path: str | Path, dtype: torch.dtype = torch.float32):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
-
-
-def paged_attention_reference(q, k_cache, v_cache, block_tables, query_lens, seq_lens, scale):
-    """Attention over a paged cache in float64, one query at a time: the reference of the
-    attention backends. q [T, heads, head_dim] with sequence b's queries at positions
-    seq_lens[b] - query_lens[b] ... seq_lens[b] - 1; caches [blocks, kv_heads, block_size, dim]."""
-    heads, kv_heads = q.shape[1], k_cache.shape[1]
-    block_size = k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    row = 0
-    for b, (n, length) in enumerate(zip(query_lens, seq_lens)):
-        positions = torch.arange(length)
-        blocks = torch.as_tensor(block_tables[b])[positions // block_size].long()
-        keys = k_cache[blocks, :, positions % block_size].double()  # [length, kv_heads, dim]
-        values = v_cache[blocks, :, positions % block_size].double()
-        for i in range(n):
-            visible = length - n + i + 1
-            for h in range(heads):
-                kv = h // (heads // kv_heads)
-                scores = keys[:visible, kv] @ q[row + i, h].double() * scale
-                out[row + i, h] = torch.softmax(scores, 0) @ values[:visible, kv]
-        row += n
-    return out

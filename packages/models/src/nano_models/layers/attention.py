@@ -8,6 +8,7 @@ chunked prefill, decode and mixed batches.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -47,13 +48,52 @@ class AttentionBackend(ABC):
         [num_blocks, kv_heads, block_size, head_dim]. Returns [T, heads, head_dim]."""
 
 
+# Backends with optional dependencies: registered when their module imports.
+_OPTIONAL = {
+    "triton": "nano_models.layers.triton_attention",
+    "flash_attn": "nano_models.layers.flash_attention",
+}
+
+
+def _load_optional(name: str) -> bool:
+    if name in ATTENTION_BACKENDS:
+        return True
+    try:
+        importlib.import_module(_OPTIONAL[name])
+    except ImportError:
+        return False
+    return True
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
+    if name in _OPTIONAL and not _load_optional(name):
+        raise ValueError(
+            f"attention backend {name!r} needs {name.split('_')[0]}, which does not import here"
+        )
     try:
         return ATTENTION_BACKENDS[name]()
     except KeyError:
+        known = sorted(set(ATTENTION_BACKENDS) | set(_OPTIONAL))
+        raise ValueError(f"unknown attention backend {name!r}; available: {known}") from None
+
+
+def choose_attention_backend(name: str, device: torch.device, block_size: int) -> str:
+    """``auto``: flash-attn if it imports and the block size is a multiple of 256, else Triton
+    on CUDA, else torch. Any other name is checked against the device and block size."""
+    if name == "auto":
+        if device.type == "cuda":
+            if block_size % 256 == 0 and _load_optional("flash_attn"):
+                return "flash_attn"
+            if _load_optional("triton"):
+                return "triton"
+        return "torch"
+    if name in _OPTIONAL and device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device")
+    if name == "flash_attn" and block_size % 256:
         raise ValueError(
-            f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}"
-        ) from None
+            f"the flash_attn backend needs a block size multiple of 256, got {block_size}"
+        )
+    return name
 
 
 class TorchAttention(AttentionBackend):

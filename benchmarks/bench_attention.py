@@ -1,0 +1,159 @@
+"""Paged attention kernels on the GPU against the machine's own ceilings, in one run.
+
+Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
+- decode at batch 256 x context 1k and batch 16 x context 8k: effective bandwidth (KV bytes
+  read / time) against a device-to-device copy, and torch's flash attention (SDPA) over a
+  contiguous cache at the same shape (target: >= 3.2 TB/s);
+- prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached):
+  attention FLOP/s against an 8k bf16 matmul (target: >= 60% of it), and torch's varlen flash
+  attention where it applies (no cached prefix).
+
+    python benchmarks/bench_attention.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from nano_kvcache.attention import paged_decode, paged_prefill
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def ceilings() -> dict:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() / (ms(lambda: y.copy_(x)) * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    matmul = 2 * 8192**3 / (ms(lambda: a @ b) * 1e-3)
+    return {"copy_tbps": copy / 1e12, "matmul_tflops": matmul / 1e12}
+
+
+def paged_cache(num_tokens: int):
+    num_blocks = num_tokens // BLOCK + 8
+    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
+    k = torch.randn(shape, device="cuda", dtype=DTYPE)
+    v = torch.randn(shape, device="cuda", dtype=DTYPE)
+    return k, v, torch.randperm(num_blocks, device="cuda").int()
+
+
+def decode(batch: int, context: int) -> dict:
+    k, v, perm = paged_cache(batch * context)
+    per_seq = context // BLOCK
+    tables = perm[: batch * per_seq].view(batch, per_seq).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    t = ms(lambda: paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5, out=out))
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    # torch's flash attention over a contiguous cache of the same shape.
+    kc = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE)
+    vc = torch.randn_like(kc)
+    qc = q.unsqueeze(2)
+    sdpa = ms(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True))
+    return {
+        "batch": batch,
+        "context": context,
+        "triton_us": t * 1e3,
+        "triton_tbps": kv_bytes / (t * 1e-3) / 1e12,
+        "sdpa_us": sdpa * 1e3,
+        "sdpa_tbps": kv_bytes / (sdpa * 1e-3) / 1e12,
+    }
+
+
+def prefill(chunks: list[tuple[int, int]]) -> dict:
+    """chunks: (new tokens, cached tokens) per sequence."""
+    lens = [n + c for n, c in chunks]
+    k, v, perm = paged_cache(sum(lens))
+    width = max(-(-n // BLOCK) for n in lens)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int32, device="cuda")
+    at = 0
+    for i, n in enumerate(lens):
+        count = -(-n // BLOCK)
+        tables[i, :count] = perm[at : at + count]
+        at += count
+    query_lens = [n for n, _ in chunks]
+    qsl = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in chunks)
+    flops = 4 * HEADS * HEAD_DIM * pairs
+    result = {"chunks": chunks, "tokens": sum(query_lens)}
+    for bm, bn in ((64, 64), (128, 64), (128, 32)):
+        t = ms(
+            lambda bm=bm, bn=bn: paged_prefill(
+                q,
+                k,
+                v,
+                tables,
+                seq_lens,
+                qsl,
+                max(query_lens),
+                HEAD_DIM**-0.5,
+                out=out,
+                block_m=bm,
+                block_n=bn,
+            )
+        )
+        result[f"triton_{bm}x{bn}_tflops"] = flops / (t * 1e-3) / 1e12
+    if all(c == 0 for _, c in chunks):
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        if varlen_attn is not None:
+            kk = torch.randn(q.shape[0], KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            kk = kk.repeat_interleave(HEADS // KV_HEADS, dim=1)
+            vv = torch.randn_like(kk)
+            m = max(query_lens)
+            t = ms(lambda: varlen_attn(q, kk, vv, qsl, qsl, m, m, is_causal=True))
+            result["torch_varlen_tflops"] = flops / (t * 1e-3) / 1e12
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    limits = ceilings()
+    decodes = [decode(256, 1024), decode(16, 8192)]
+    prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]
+    print(
+        f"attention kernels on {torch.cuda.get_device_name()}: copy "
+        f"{limits['copy_tbps']:.2f} TB/s, bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s"
+    )
+    print(f"{'decode':>16} {'triton TB/s':>12} {'of copy':>8} {'sdpa TB/s':>10}")
+    for r in decodes:
+        print(
+            f"{r['batch']:>6} x {r['context']:>6} {r['triton_tbps']:12.2f} "
+            f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['sdpa_tbps']:10.2f}"
+        )
+    print(f"{'prefill':>24} {'best triton TFLOP/s':>20} {'of matmul':>10} {'torch varlen':>13}")
+    for r in prefills:
+        best = max(v for k, v in r.items() if k.startswith("triton_"))
+        name = "+".join(f"{n}/{c}" for n, c in sorted(set(r["chunks"])))
+        name = f"{len(r['chunks'])} x {name}"
+        varlen = (
+            f"{r['torch_varlen_tflops']:13.0f}" if "torch_varlen_tflops" in r else (f"{'-':>13}")
+        )
+        print(f"{name:>24} {best:20.0f} {best / limits['matmul_tflops']:10.0%} {varlen}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": limits, "decode": decodes, "prefill": prefills}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

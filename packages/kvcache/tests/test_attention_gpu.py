@@ -1,0 +1,167 @@
+"""The Triton paged attention kernels against the float64 reference, on random data (never
+zeros) with poisoned outputs: ragged batches, block sizes 1 to 256, contexts 1 to 32k, GQA
+ratios 1 to 8, prefill over a cached prefix and chunked prefill, fp16 and bf16.
+
+GPU-marked; with TRITON_INTERPRET=1 the small cases also run on the CPU (Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from nano_kvcache.reference import paged_attention_reference  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cpu" and not INTERPRET, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"
+    ),
+]
+DTYPES = [torch.float16] if INTERPRET else [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, g):
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+    v = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+    return k, v
+
+
+def tables_for(seq_lens, block_size, num_blocks, rng):
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    return [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+
+
+def padded(tables):
+    width = max(len(t) for t in tables)
+    out = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out.to(DEVICE)
+
+
+def check(out, ref, dtype):
+    assert not torch.isnan(out).any(), "an output was not written"
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+DECODE_CASES = [
+    # (block size, heads, kv heads, head dim, context lengths)
+    (16, 16, 8, 128, [1, 17, 300, 1024, 33]),
+    (1, 8, 8, 64, [1, 5, 40]),
+    (64, 32, 4, 128, [700, 65, 129]),
+    (256, 16, 2, 64, [1000, 256, 3]),
+    (16, 8, 1, 128, [513, 2]),
+]
+if not INTERPRET:
+    DECODE_CASES += [(16, 16, 8, 128, [32768, 20000]), (16, 16, 8, 128, [1000] * 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES)
+def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens):
+    from nano_kvcache.attention import decode_splits, paged_decode
+
+    rng = random.Random(block_size + heads)
+    g = torch.Generator(device=DEVICE).manual_seed(len(lens))
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache, v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, g)
+    tables = tables_for(lens, block_size, num_blocks, rng)
+    q = torch.randn(len(lens), heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = paged_attention_reference(
+        q, k_cache, v_cache, tables, [1] * len(lens), lens, head_dim**-0.5
+    )
+    for splits in sorted({1, 4, decode_splits(len(lens), kv_heads)}):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            padded(tables),
+            seq_lens,
+            head_dim**-0.5,
+            out=out,
+            num_splits=splits,
+        )
+        check(out, ref, dtype)
+
+
+PREFILL_CASES = [
+    # (block size, heads, kv heads, head dim, (new tokens, cached tokens) per sequence)
+    (16, 16, 8, 128, [(37, 0), (5, 100), (64, 64), (1, 30)]),
+    (1, 8, 2, 64, [(20, 0), (7, 9)]),
+    (64, 8, 1, 128, [(130, 70), (3, 0)]),
+    (256, 4, 4, 64, [(100, 300)]),
+]
+if not INTERPRET:
+    PREFILL_CASES += [
+        (16, 16, 8, 128, [(2048, 0), (500, 6000), (1, 8191)]),
+        (16, 32, 4, 128, [(1024, 31000)]),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,chunks", PREFILL_CASES)
+def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks):
+    from nano_kvcache.attention import paged_prefill
+
+    rng = random.Random(block_size * heads)
+    g = torch.Generator(device=DEVICE).manual_seed(len(chunks))
+    query_lens = [n for n, _ in chunks]
+    lens = [n + c for n, c in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache, v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, g)
+    tables = tables_for(lens, block_size, num_blocks, rng)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    qsl = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(
+        q,
+        k_cache,
+        v_cache,
+        padded(tables),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        qsl,
+        max(query_lens),
+        head_dim**-0.5,
+        out=out,
+    )
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, query_lens, lens, head_dim**-0.5)
+    check(out, ref, dtype)
+
+
+def test_decode_in_a_cuda_graph_with_changing_lengths():
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from nano_kvcache.attention import paged_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = make_cache(600, 8, 16, 128, torch.bfloat16, g)
+    q = torch.randn(8, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
+    tables = torch.arange(8 * 64, dtype=torch.int32, device="cuda").view(8, 64)
+    seq_lens = torch.ones(8, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+    for lens in ([1, 2, 3, 4, 5, 6, 7, 8], [1000, 17, 300, 1024, 5, 999, 64, 65]):
+        seq_lens.copy_(torch.tensor(lens))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_attention_reference(q, k_cache, v_cache, tables.tolist(), [1] * 8, lens, 0.088)
+        check(out, ref, torch.bfloat16)
