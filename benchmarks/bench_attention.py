@@ -14,6 +14,7 @@ Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, bl
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 import torch
@@ -119,8 +120,19 @@ def prefill(chunks: list[tuple[int, int]]) -> dict:
             kk = kk.repeat_interleave(HEADS // KV_HEADS, dim=1)
             vv = torch.randn_like(kk)
             m = max(query_lens)
-            t = ms(lambda: varlen_attn(q, kk, vv, qsl, qsl, m, m, is_causal=True))
-            result["torch_varlen_tflops"] = flops / (t * 1e-3) / 1e12
+            params = inspect.signature(varlen_attn).parameters
+            causal = (
+                {"is_causal": True}
+                if "is_causal" in params
+                else {"window_size": (-1, 0)}
+                if "window_size" in params
+                else None
+            )
+            if causal is None:
+                print(f"varlen_attn{inspect.signature(varlen_attn)}: no causal option; skipped")
+            else:
+                t = ms(lambda: varlen_attn(q, kk, vv, qsl, qsl, m, m, **causal))
+                result["torch_varlen_tflops"] = flops / (t * 1e-3) / 1e12
     return result
 
 
