@@ -136,10 +136,69 @@ def prefill(chunks: list[tuple[int, int]]) -> dict:
     return result
 
 
+def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
+    """TFLOP/s of prefill tile configurations (block_m, block_n, num_warps, num_stages)."""
+    lens = [n + c for n, c in chunks]
+    k, v, perm = paged_cache(sum(lens))
+    width = max(-(-n // BLOCK) for n in lens)
+    tables = perm[: len(chunks) * width].view(len(chunks), width).contiguous()
+    query_lens = [n for n, _ in chunks]
+    qsl = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    flops = 4 * HEADS * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for n, c in chunks)
+    results = []
+    for config in (
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 32, 4, 3),
+        (128, 64, 4, 3),
+        (64, 128, 4, 2),
+        (128, 128, 8, 3),
+        (256, 64, 8, 2),
+    ):
+        bm, bn, warps, stages = config
+        try:
+            t = ms(
+                lambda: paged_prefill(
+                    q,
+                    k,
+                    v,
+                    tables,
+                    seq_lens,
+                    qsl,
+                    max(query_lens),
+                    HEAD_DIM**-0.5,
+                    out=out,
+                    block_m=bm,
+                    block_n=bn,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
+            )
+        except Exception as e:  # noqa: BLE001  (a config that does not compile: report it)
+            print(f"  {config}: {type(e).__name__}")
+            continue
+        results.append((config, flops / (t * 1e-3) / 1e12))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--sweep", action="store_true", help="only sweep prefill tile configs")
     args = parser.parse_args()
+    if args.sweep:
+        for chunks in ([(1024, 0)] * 8, [(8192, 0)]):
+            for config, tflops in sweep_prefill(chunks):
+                print(f"prefill {len(chunks)} x {chunks[0][0]}: {config} {tflops:6.0f} TFLOP/s")
+        return
     limits = ceilings()
     decodes = [decode(256, 1024), decode(16, 8192)]
     prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]

@@ -327,6 +327,8 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -365,7 +367,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_precision(q),
-        num_warps=4 if block_m <= 64 else 8,
-        num_stages=2,
+        num_warps=num_warps or (4 if block_m <= 64 else 8),
+        num_stages=num_stages,
     )
     return out

@@ -1,0 +1,96 @@
+"""Where one decode step's time goes, at nano-vllm benchmark scale (Qwen3-0.6B config, dummy
+weights, 256 sequences of a given context), on the GPU:
+
+  host   StepInput.of + the runner's input tensors
+  graph  the CUDA graph replay of the model (attention, matmuls, norms)
+  logits the LM head on the sampled rows
+  sample the sampler (temperature 0.6, as in the benchmark)
+and the same decode step's model under torch.profiler (top kernels).
+
+    python benchmarks/profile_step.py [--context 512] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from nano_engine import LLM, SamplingParams
+from nano_engine.model_runner import StepInput
+from nano_scheduler import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(fn, repeat: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
+    args = parser.parse_args()
+    llm = LLM(
+        str(ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+    )
+    engine = llm.engine
+    runner, sampler = engine.runner, engine.sampler
+    blocks = -(-args.context // 16)
+    seqs = []
+    for i in range(args.batch):
+        seq = Sequence(i, [1] * args.context, SamplingParams(temperature=0.6, max_tokens=10))
+        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+        seq.num_computed_tokens = args.context - 1
+        seqs.append(seq)
+
+    class Decodes:  # the part of a SchedulerOutput that StepInput.of reads
+        prefills, decodes = [], seqs
+
+    step = StepInput.of(Decodes)
+    ids, positions, ctx = runner.tensors(step)
+    graph_size = next(s for s in runner.graphs.sizes if s >= args.batch)
+    graph = runner.graphs.graphs[graph_size][0]
+    hidden, _ = runner.graphs.run(step)
+    logits = runner.model.compute_logits(hidden, ctx)
+    batch = sampler.prepare(seqs)
+    rows = {
+        "host: StepInput.of": timed(lambda: StepInput.of(Decodes)),
+        "host+copy: runner.tensors": timed(lambda: runner.tensors(step)),
+        "graph replay (model)": timed(graph.replay),
+        "graphs.run (tensors + copies + replay)": timed(lambda: runner.graphs.run(step)),
+        "LM head": timed(lambda: runner.model.compute_logits(hidden, ctx)),
+        "sampler.prepare": timed(lambda: sampler.prepare(seqs)),
+        "sampler": timed(lambda: sampler(logits, batch)),
+        "runner.execute + sampler": timed(lambda: sampler(runner.execute(step), batch)),
+    }
+    kv_bytes = args.batch * args.context * runner.layout.bytes_per_block / 16
+    print(
+        f"decode step, batch {args.batch}, context {args.context}: KV {kv_bytes / 1e9:.2f} GB "
+        f"(at 4.3 TB/s {kv_bytes / 4.3e12 * 1e3:.2f} ms)"
+    )
+    for name, value in rows.items():
+        print(f"  {name:42} {value:8.3f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.execute(step)
+            sampler(logits, batch)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
