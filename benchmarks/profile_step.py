@@ -60,7 +60,7 @@ def main() -> None:
         prefills, decodes = [], seqs
 
     step = StepInput.of(Decodes)
-    ids, positions, ctx = runner.tensors(step)
+    _, _, ctx = runner.tensors(step)
     graph_size = next(s for s in runner.graphs.sizes if s >= args.batch)
     graph = runner.graphs.graphs[graph_size][0]
     hidden, _ = runner.graphs.run(step)
