@@ -163,10 +163,9 @@ def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
         (128, 128, 8, 3),
         (256, 64, 8, 2),
     ):
-        bm, bn, warps, stages = config
         try:
             t = ms(
-                lambda: paged_prefill(
+                lambda c=config: paged_prefill(
                     q,
                     k,
                     v,
@@ -176,10 +175,10 @@ def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
                     max(query_lens),
                     HEAD_DIM**-0.5,
                     out=out,
-                    block_m=bm,
-                    block_n=bn,
-                    num_warps=warps,
-                    num_stages=stages,
+                    block_m=c[0],
+                    block_n=c[1],
+                    num_warps=c[2],
+                    num_stages=c[3],
                 )
             )
         except Exception as e:  # a config that does not compile: report it
