@@ -52,6 +52,7 @@ class _Request:
     sent_tokens: list[int] = field(default_factory=list)
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[list[Logprob]] = field(default_factory=list)
+    stream_deltas: bool = True  # False: one output, when the request finishes
 
 
 def load_tokenizer(config: EngineConfig):
@@ -157,8 +158,11 @@ class LLMEngine:
         self.submit([request])
         return request.stream
 
-    def make_request(self, prompt, params=None, request_id=None, notify=None) -> _Request:
-        """A validated request, not queued yet (``ValueError`` for bad input)."""
+    def make_request(
+        self, prompt, params=None, request_id=None, notify=None, stream_deltas: bool = True
+    ) -> _Request:
+        """A validated request, not queued yet (``ValueError`` for bad input). With
+        ``stream_deltas`` False its stream gets a single output, when it finishes."""
         if self.error is not None:
             raise EngineDeadError(f"the engine is not running: {self.error}")
         params = params if params is not None else SamplingParams()
@@ -212,6 +216,7 @@ class LLMEngine:
             [0] * params.n,
             [None] * params.n,
             [[] for _ in range(params.n)],
+            stream_deltas=stream_deltas,
         )
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -335,6 +340,10 @@ class LLMEngine:
 
     def _publish(self, request: _Request, indices, now: float) -> None:
         """Push what is new in these sequences of a request; retire it once all finished."""
+        if not request.stream_deltas:
+            if not all(s.is_finished for s in request.seqs):
+                return
+            indices = range(len(request.seqs))
         outputs = []
         for i in sorted(indices):
             seq, detok = request.seqs[i], request.detokenizers[i]

@@ -49,7 +49,8 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ready: queue.SimpleQueue[RequestStream] = queue.SimpleQueue()
         requests = [
-            self.engine.make_request(p, sp, notify=ready.put) for p, sp in zip(prompts, params)
+            self.engine.make_request(p, sp, notify=ready.put, stream_deltas=False)
+            for p, sp in zip(prompts, params)
         ]
         order = {r.request_id: i for i, r in enumerate(requests)}
         self.engine.submit(requests)

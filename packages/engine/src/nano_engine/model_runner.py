@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -253,15 +254,18 @@ class ModelRunner:
         for n in step.query_lens:
             qsl.append(qsl[-1] + n)
         width = table_width or max(len(t) for t in step.block_tables)
-        flat = list(step.input_ids)
-        flat += qsl
-        flat += step.seq_lens
-        flat += [length - n for length, n in zip(step.seq_lens, step.query_lens)]
-        flat += step.logits_rows
+        # One int32 buffer, filled by C loops (array.extend), one host-to-device copy.
+        flat = array("i", step.input_ids)
+        flat.extend(qsl)
+        flat.extend(step.seq_lens)
+        flat.extend([length - n for length, n in zip(step.seq_lens, step.query_lens)])
+        flat.extend(step.logits_rows)
+        pad = array("i", [-1]) * width
         for table in step.block_tables:
-            flat += table
-            flat += [-1] * (width - len(table))
-        packed = torch.tensor(flat, dtype=torch.int32).to(self.device, non_blocking=True)
+            flat.extend(table)
+            flat.extend(pad[len(table) :])
+        packed = torch.frombuffer(flat, dtype=torch.int32)
+        packed = packed.to(self.device) if self.device.type == "cuda" else packed.clone()
         t = len(step.input_ids)
         sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows), num_seqs * width]
         ids, qsl_t, lens_t, start_t, rows_t, tables_t = packed.split(sizes)

@@ -27,6 +27,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [S] float32
     min_p: torch.Tensor | None  # [S] float32
     all_greedy: bool
+    any_greedy: bool
     masks: list[tuple[int, list[int]]] = field(default_factory=list)  # min_tokens
     penalties: tuple[torch.Tensor, ...] | None = None  # repetition, presence, frequency [S]
     penalty_tokens: tuple[list[int], list[int], list[int], list[int]] | None = None
@@ -45,27 +46,35 @@ class Sampler:
 
     def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
         params: list[SamplingParams] = [s.params for s in seqs]
-        dev = self.device
+        vocab = self.vocab_size
         greedy = [p.temperature == 0 for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        use_top_k = any(0 < p.top_k < vocab for p in sampled)
+        use_top_p = any(p.top_p < 1 for p in sampled)
+        use_min_p = any(p.min_p > 0 for p in sampled)
+        # Every per-row number in one host-to-device copy.
+        rows = [
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+            [float(g) for g in greedy],
+        ]
+        if use_top_k:
+            rows.append([float(p.top_k if p.top_k > 0 else vocab) for p in params])
+        if use_top_p:
+            rows.append([p.top_p for p in params])
+        if use_min_p:
+            rows.append([p.min_p for p in params])
+        packed = iter(torch.tensor(rows, dtype=torch.float32).to(self.device).unbind(0))
         batch = SamplingBatch(
-            temperature=torch.tensor(temperature, dtype=torch.float32).to(dev),
-            greedy=torch.tensor(greedy).to(dev),
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            all_greedy=all(greedy),
+            temperature=next(packed),
+            greedy=next(packed) > 0,
+            top_k=next(packed).long() if use_top_k else None,
+            top_p=next(packed) if use_top_p else None,
+            min_p=next(packed) if use_min_p else None,
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < len(params),
             logprobs=[p.logprobs for p in params],
         )
-        sampled = [p for p, g in zip(params, greedy) if not g]
-        if any(0 < p.top_k < self.vocab_size for p in sampled):
-            batch.top_k = torch.tensor(
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-            ).to(dev)
-        if any(p.top_p < 1 for p in sampled):
-            batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
-        if any(p.min_p > 0 for p in sampled):
-            batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
+        dev = self.device
         for row, (seq, p) in enumerate(zip(seqs, params)):
             if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
                 batch.masks.append((row, sorted(seq.stop_token_ids)))
@@ -110,9 +119,12 @@ class Sampler:
             logits[row, ids] = float("-inf")
         if batch.penalties is not None:
             logits = self._penalize(logits, batch)
-        tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            tokens = torch.where(batch.greedy, tokens, self._draw(logits, batch))
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        elif batch.any_greedy:
+            tokens = torch.where(batch.greedy, logits.argmax(dim=-1), self._draw(logits, batch))
+        else:
+            tokens = self._draw(logits, batch)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(token_list)
