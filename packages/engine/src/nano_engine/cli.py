@@ -159,7 +159,8 @@ def bench(args: argparse.Namespace) -> int:
     with LLM(args.model, **kwargs) as llm:
         # Warm-up: prefill, mixed and decode steps of several sizes, so that nothing is
         # compiled (Triton, Inductor, cuBLAS heuristics) inside the timed runs.
-        warm = [[rng.randint(0, 10_000) for _ in range(rng.randint(8, 300))] for _ in range(64)]
+        longest = max(8, min(300, llm.engine.max_model_len - 25))
+        warm = [[rng.randint(0, 10_000) for _ in range(rng.randint(1, longest))] for _ in range(64)]
         llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
         times = []
