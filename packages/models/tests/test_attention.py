@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from nano_kvcache.reference import paged_attention_reference
+from nano_kvcache.attention_reference import paged_attention_reference
 from nano_models import ForwardContext, get_attention_backend
 from nano_models.layers.attention import choose_attention_backend
 
