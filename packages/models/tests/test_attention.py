@@ -3,6 +3,7 @@ caches with ragged batches: prefills, prefills over a cached prefix, chunks and 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -90,3 +91,46 @@ def test_backend_choice():
         choose_attention_backend("triton", cpu, 16)
     with pytest.raises(ValueError, match="multiple of 256"):
         choose_attention_backend("flash_attn", cuda, 16)
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flash_attn",
+            marks=pytest.mark.skipif(
+                not _importable("flash_attn"), reason="flash-attn is not installed"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_backends_match_the_reference(backend, dtype):
+    """A mixed batch (prefills, a cached prefix, a chunk, decodes) with 256-token blocks."""
+    q, k_cache, v_cache, ctx, tables = random_batch(7, 8, 2, 128, 256, dtype, "cuda")
+    q = q.cuda()
+    k = v = torch.empty(q.shape[0], 2, 128, dtype=dtype, device="cuda")
+    out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, ctx, 0.088)
+    qsl = ctx.query_start_loc_cpu
+    ref = paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        [b - a for a, b in itertools.pairwise(qsl)],
+        ctx.seq_lens_cpu,
+        0.088,
+    )
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 2e-2, err
