@@ -72,72 +72,23 @@ def decode(batch: int, context: int) -> dict:
     }
 
 
+# Prefill tiles tried: (block_m, block_n, num_warps, num_stages).
+TILES = (
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (128, 32, 4, 3),
+    (64, 128, 4, 2),
+    (256, 64, 8, 2),
+)
+
+
 def prefill(chunks: list[tuple[int, int]]) -> dict:
-    """chunks: (new tokens, cached tokens) per sequence."""
-    lens = [n + c for n, c in chunks]
-    k, v, perm = paged_cache(sum(lens))
-    width = max(-(-n // BLOCK) for n in lens)
-    tables = torch.zeros(len(chunks), width, dtype=torch.int32, device="cuda")
-    at = 0
-    for i, n in enumerate(lens):
-        count = -(-n // BLOCK)
-        tables[i, :count] = perm[at : at + count]
-        at += count
-    query_lens = [n for n, _ in chunks]
-    qsl = torch.tensor(
-        [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
-    )
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    out = torch.empty_like(q)
-    pairs = sum(n * c + n * (n + 1) // 2 for n, c in chunks)
-    flops = 4 * HEADS * HEAD_DIM * pairs
-    result = {"chunks": chunks, "tokens": sum(query_lens)}
-    for bm, bn in ((64, 64), (128, 64), (128, 32)):
-        t = ms(
-            lambda bm=bm, bn=bn: paged_prefill(
-                q,
-                k,
-                v,
-                tables,
-                seq_lens,
-                qsl,
-                max(query_lens),
-                HEAD_DIM**-0.5,
-                out=out,
-                block_m=bm,
-                block_n=bn,
-            )
-        )
-        result[f"triton_{bm}x{bn}_tflops"] = flops / (t * 1e-3) / 1e12
-    if all(c == 0 for _, c in chunks):
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
-            varlen_attn = None
-        if varlen_attn is not None:
-            kk = torch.randn(q.shape[0], KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-            kk = kk.repeat_interleave(HEADS // KV_HEADS, dim=1)
-            vv = torch.randn_like(kk)
-            m = max(query_lens)
-            params = inspect.signature(varlen_attn).parameters
-            causal = (
-                {"is_causal": True}
-                if "is_causal" in params
-                else {"window_size": (-1, 0)}
-                if "window_size" in params
-                else None
-            )
-            if causal is None:
-                print(f"varlen_attn{inspect.signature(varlen_attn)}: no causal option; skipped")
-            else:
-                t = ms(lambda: varlen_attn(q, kk, vv, qsl, qsl, m, m, **causal))
-                result["torch_varlen_tflops"] = flops / (t * 1e-3) / 1e12
-    return result
-
-
-def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
-    """TFLOP/s of prefill tile configurations (block_m, block_n, num_warps, num_stages)."""
+    """TFLOP/s of every prefill tile on these chunks ((new tokens, cached tokens) each), and of
+    torch's varlen flash attention when nothing is cached."""
     lens = [n + c for n, c in chunks]
     k, v, perm = paged_cache(sum(lens))
     width = max(-(-n // BLOCK) for n in lens)
@@ -150,22 +101,11 @@ def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
     q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     flops = 4 * HEADS * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for n, c in chunks)
-    results = []
-    for config in (
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (128, 64, 8, 2),
-        (128, 64, 8, 3),
-        (128, 128, 8, 2),
-        (128, 32, 4, 3),
-        (128, 64, 4, 3),
-        (64, 128, 4, 2),
-        (128, 128, 8, 3),
-        (256, 64, 8, 2),
-    ):
+    result = {"chunks": chunks, "tokens": sum(query_lens), "tiles": {}}
+    for tile in TILES:
         try:
             t = ms(
-                lambda c=config: paged_prefill(
+                lambda c=tile: paged_prefill(
                     q,
                     k,
                     v,
@@ -181,23 +121,44 @@ def sweep_prefill(chunks: list[tuple[int, int]]) -> list[tuple[tuple, float]]:
                     num_stages=c[3],
                 )
             )
-        except Exception as e:  # a config that does not compile: report it
-            print(f"  {config}: {type(e).__name__}")
+        except Exception as e:  # a tile that does not compile (shared memory): report it
+            print(f"  prefill tile {tile}: {type(e).__name__}")
             continue
-        results.append((config, flops / (t * 1e-3) / 1e12))
-    return results
+        result["tiles"][str(tile)] = flops / (t * 1e-3) / 1e12
+    result["best_tile"], result["triton_tflops"] = max(
+        result["tiles"].items(), key=lambda kv: kv[1]
+    )
+    if all(c == 0 for _, c in chunks):
+        varlen = _torch_varlen(q, qsl, max(query_lens))
+        if varlen is not None:
+            result["torch_varlen_tflops"] = flops / (ms(varlen) * 1e-3) / 1e12
+    return result
+
+
+def _torch_varlen(q, qsl, max_len):
+    """torch.nn.attention.varlen.varlen_attn, causal, on fresh K/V (None where absent)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        print(f"varlen_attn{inspect.signature(varlen_attn)}: no causal option; skipped")
+        return None
+    k = torch.randn(q.shape[0], KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = torch.randn_like(k)
+    return lambda: varlen_attn(q, k, v, qsl, qsl, max_len, max_len, **causal)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--sweep", action="store_true", help="only sweep prefill tile configs")
     args = parser.parse_args()
-    if args.sweep:
-        for chunks in ([(1024, 0)] * 8, [(8192, 0)]):
-            for config, tflops in sweep_prefill(chunks):
-                print(f"prefill {len(chunks)} x {chunks[0][0]}: {config} {tflops:6.0f} TFLOP/s")
-        return
     limits = ceilings()
     decodes = [decode(256, 1024), decode(16, 8192)]
     prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]
@@ -211,15 +172,18 @@ def main() -> None:
             f"{r['batch']:>6} x {r['context']:>6} {r['triton_tbps']:12.2f} "
             f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['sdpa_tbps']:10.2f}"
         )
-    print(f"{'prefill':>24} {'best triton TFLOP/s':>20} {'of matmul':>10} {'torch varlen':>13}")
+    print(
+        f"{'prefill':>24} {'best Triton TFLOP/s':>20} {'tile':>18} {'of matmul':>10} "
+        f"{'torch varlen':>13}"
+    )
     for r in prefills:
-        best = max(v for k, v in r.items() if k.startswith("triton_"))
-        name = "+".join(f"{n}/{c}" for n, c in sorted(set(r["chunks"])))
-        name = f"{len(r['chunks'])} x {name}"
-        varlen = (
-            f"{r['torch_varlen_tflops']:13.0f}" if "torch_varlen_tflops" in r else (f"{'-':>13}")
+        name = f"{len(r['chunks'])} x " + "+".join(f"{n}/{c}" for n, c in sorted(set(r["chunks"])))
+        varlen = r.get("torch_varlen_tflops")
+        print(
+            f"{name:>24} {r['triton_tflops']:20.0f} {r['best_tile']:>18} "
+            f"{r['triton_tflops'] / limits['matmul_tflops']:10.0%} "
+            f"{f'{varlen:13.0f}' if varlen else '-':>13}"
         )
-        print(f"{name:>24} {best:20.0f} {best / limits['matmul_tflops']:10.0%} {varlen}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": limits, "decode": decodes, "prefill": prefills}, f, indent=2)

@@ -21,6 +21,41 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(
+    k_cache,
+    v_cache,
+    table,
+    tokens,
+    t_mask,
+    kv_base,
+    d,
+    d_mask,
+    stride_kb,
+    stride_kt,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V rows of these token positions: [tokens, head_dim] each, through the table."""
+    pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
+    rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of the online softmax: masked base-2 scores s [M, N], values v [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache,
@@ -75,20 +110,22 @@ def _decode_kernel(
     for first in range(start, end, BLOCK_N):
         tokens = first + tl.arange(0, BLOCK_N)
         t_mask = tokens < end
-        pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
-        rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(
+            k_cache,
+            v_cache,
+            table,
+            tokens,
+            t_mask,
+            kv_base,
+            d,
+            d_mask,
+            stride_kb,
+            stride_kt,
+            BLOCK_SIZE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -291,22 +328,24 @@ def _prefill_kernel(
     for first in range(0, end, BLOCK_N):
         tokens = first + tl.arange(0, BLOCK_N)
         t_mask = tokens < end
-        pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
-        rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(
+            k_cache,
+            v_cache,
+            table,
+            tokens,
+            t_mask,
+            kv_base,
+            d,
+            d_mask,
+            stride_kb,
+            stride_kt,
+            BLOCK_SIZE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if first + BLOCK_N > unmasked_end:
             visible = (tokens[None, :] <= positions[:, None]) & t_mask[None, :]
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -325,10 +364,10 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -340,6 +379,10 @@ def paged_prefill(
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
+    # Tiles measured best on an H200 (benchmarks/bench_attention.py): long chunks take big tiles.
+    tile = (128, 128, 8, 3) if max_query_len >= 2048 else (64, 64, 4, 3)
+    block_m, block_n = block_m or tile[0], block_n or tile[1]
+    num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
     if tokens == 0 or num_seqs == 0:
         return out
     grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
@@ -367,7 +410,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_precision(q),
-        num_warps=num_warps or (4 if block_m <= 64 else 8),
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     return out
