@@ -20,7 +20,8 @@ PACKAGES = [
     p.name for p in sorted((ROOT / "packages").iterdir()) if (p / "pyproject.toml").is_file()
 ]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
-TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging")
+TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx")
+SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "prometheus-client")  # nano-engine[serve]
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -32,7 +33,7 @@ def install_packages(session: nox.Session, *, cuda: bool) -> None:
     # Extras are named apart: pip does not match a local path given with extras against a
     # sibling's plain pin. torch: nano-kvcache[torch]; matplotlib: nano-scheduler[plot].
     targets = [str(ROOT / "packages" / name) for name in PACKAGES]
-    session.install(*CONSTRAINTS, *args, *targets, "torch", "matplotlib")
+    session.install(*CONSTRAINTS, *args, *targets, "torch", "matplotlib", *SERVE_REQUIREMENTS)
 
 
 @nox.session

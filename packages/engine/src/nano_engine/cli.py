@@ -92,6 +92,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "samples for nano-sim --fitted)",
     )
     add_engine_options(bench)
+
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    srv.add_argument("model", help="checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", help="the model's name in requests (default: MODEL)")
+    srv.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests queued or running beyond which new ones get 503",
+    )
+    srv.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run on after SIGTERM",
+    )
+    add_engine_options(srv)
     return parser.parse_args(argv)
 
 
@@ -102,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        if args.command == "generate":
-            return generate(args)
-        return bench(args)
+        return {"generate": generate, "bench": bench, "serve": serve}[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"nano-engine: error: {e}", file=sys.stderr)
         return 2
@@ -209,6 +230,24 @@ def bench(args: argparse.Namespace) -> int:
     if args.step_log:
         args.step_log.write_text(json.dumps({"samples": step_log}))
     return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from nano_engine.config import EngineConfig
+    from nano_engine.engine import LLMEngine
+    from nano_engine.server import serve as run_server
+
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    return run_server(
+        engine,
+        args.served_model_name or args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        args.max_body_bytes,
+        args.max_queue,
+        args.grace_period,
+    )
 
 
 if __name__ == "__main__":

@@ -257,6 +257,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running."""
+        return len(self._requests)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
     # ---- the step loop (its own thread) ------------------------------------------------------
 
     def _loop(self) -> None:

@@ -62,7 +62,7 @@ class LLM:
                 stream = ready.get()
                 while (delta := stream.get_nowait()) is not None:
                     i = order[delta.request_id]
-                    results[i] = _merge(results[i], delta)
+                    results[i] = merge_outputs(results[i], delta)
                     generated += sum(len(o.token_ids) for o in delta.outputs)
                     if delta.finished:
                         remaining -= 1
@@ -111,7 +111,7 @@ class LLM:
         self.shutdown()
 
 
-def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """Fold a streamed delta into the whole output."""
     if total is None:
         total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])

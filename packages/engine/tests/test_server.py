@@ -1,0 +1,364 @@
+"""The OpenAI-compatible server, started for real on a loopback port with a tiny model, and
+driven by the official openai client (and raw HTTP for malformed requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess
+
+from nano_engine import LLM, SamplingParams
+
+KEY = "test-key"
+OPTIONS = (
+    "--max-model-len",
+    "256",
+    "--kvcache-block-size",
+    "8",
+    "--api-key",
+    KEY,
+    "--max-body-bytes",
+    "65536",
+    "--max-queue",
+    "256",
+)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    srv = ServerProcess(checkpoints("qwen3"), *OPTIONS)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    with LLM(checkpoints("qwen3"), max_model_len=256, kvcache_block_size=8) as llm:
+        yield llm
+
+
+@pytest.fixture()
+def client(server, checkpoints):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def model_name(checkpoints) -> str:
+    return checkpoints("qwen3")
+
+
+def test_completions_equal_llm_generate(client, llm, checkpoints):
+    prompt = "The quick brown fox"
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
+        0
+    ].outputs[0]
+    r = client.completions.create(
+        model=model_name(checkpoints), prompt=prompt, max_tokens=12, temperature=0
+    )
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == expected.finish_reason
+    n = len(llm.tokenizer(prompt).input_ids)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, len(expected.token_ids))
+
+    chunks = list(
+        client.completions.create(
+            model=model_name(checkpoints),
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        expected.token_ids
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+
+
+def test_chat_equals_llm_chat(client, llm, checkpoints):
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[
+        0
+    ].outputs[0]
+    r = client.chat.completions.create(
+        model=model_name(checkpoints), messages=messages, max_completion_tokens=10, temperature=0
+    )
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=model_name(checkpoints), messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == expected.text
+
+
+def test_n_logprobs_stop_and_seed(client, llm, checkpoints):
+    name = model_name(checkpoints)
+    r = client.completions.create(
+        model=name,
+        prompt=["One", "Two"],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    again = client.completions.create(
+        model=name,
+        prompt=["One", "Two"],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    assert r.usage.completion_tokens == 36
+
+    lp = (
+        client.completions.create(
+            model=name, prompt="Logprobs", max_tokens=4, temperature=0, logprobs=3
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(
+        len(top) <= 3 and max(top.values()) >= value - 1e-6
+        for top, value in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+    chat = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+    full = client.completions.create(
+        model=name,
+        prompt="Stop test",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = full.choices[0].text
+    stop = text[5:8]
+    cut = client.completions.create(
+        model=name,
+        prompt="Stop test",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_models_health_tokenize(server, checkpoints, llm):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    models = httpx.get(f"{server.url}/v1/models", headers=headers).json()
+    assert models["data"][0]["id"] == model_name(checkpoints)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    ids = httpx.post(
+        f"{server.url}/tokenize", headers=headers, json={"prompt": "Hello world"}
+    ).json()
+    assert ids["tokens"] == llm.tokenizer("Hello world").input_ids
+    text = httpx.post(
+        f"{server.url}/detokenize", headers=headers, json={"tokens": ids["tokens"]}
+    ).json()
+    assert text["prompt"] == "Hello world"
+
+
+def post(server, path, body=None, content=None, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    return httpx.post(
+        f"{server.url}{path}", json=body, content=content, headers=headers, timeout=30
+    )
+
+
+def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
+    name = model_name(checkpoints)
+    good = {"model": name, "prompt": "ok", "max_tokens": 3}
+    cases = [
+        (
+            post(server, "/v1/completions", {**good, "prompt": [7] * 400}),
+            400,
+            r"prompt \(400 tokens\).*maximum model length of 256",
+        ),
+        (post(server, "/v1/completions", {**good, "top_p": 0}), 400, "top_p"),
+        (post(server, "/v1/completions", {**good, "temperature": -1}), 400, "temperature"),
+        (post(server, "/v1/completions", {**good, "model": "other"}), 400, "does not exist"),
+        (post(server, "/v1/completions", content=b'{"model": "x", "prompt": '), 400, "invalid"),
+        (post(server, "/v1/completions", {"model": name}), 400, "prompt"),
+        (post(server, "/v1/chat/completions", {"model": name, "messages": []}), 400, "messages"),
+        (post(server, "/v1/completions", {**good, "prompt": [1, 10**6]}), 400, "vocabulary"),
+        (post(server, "/v1/completions", good, key=None), 401, "API key"),
+        (post(server, "/v1/completions", good, key="wrong"), 401, "API key"),
+        (post(server, "/v1/completions", {**good, "prompt": "x" * 70000}), 413, "over 65536"),
+    ]
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+        import re
+
+        assert re.search(message, error["message"]), error["message"]
+        ok = post(server, "/v1/completions", good)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
+
+
+def test_queue_limit_gives_503(checkpoints):
+    srv = ServerProcess(checkpoints("qwen3"), "--max-model-len", "256", "--max-queue", "2")
+    try:
+        body = {
+            "model": checkpoints("qwen3"),
+            "prompt": "busy",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(timeout=60) as http:
+            streams = [
+                http.stream("POST", f"{srv.url}/v1/completions", json=body) for _ in range(2)
+            ]
+            for s in streams:
+                s.__enter__()
+            rejected = http.post(f"{srv.url}/v1/completions", json={**body, "stream": False})
+            assert (
+                rejected.status_code == 503 and "queue limit" in rejected.json()["error"]["message"]
+            )
+            for s in streams:
+                s.__exit__(None, None, None)
+        assert srv.wait_idle()["nano_kv_cache_usage"] == 0
+        ok = httpx.post(
+            f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60
+        )
+        assert ok.status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+
+def test_load_and_disconnects_leave_no_blocks(server, checkpoints):
+    name = model_name(checkpoints)
+    before = server.metrics()
+
+    async def run():
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120
+        )
+        limit = asyncio.Semaphore(200)
+
+        async def one(i: int):
+            async with limit:
+                stream = await client.completions.create(
+                    model=name,
+                    prompt=f"request {i}",
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                pieces, finish = [], None
+                async for chunk in stream:
+                    pieces.append(chunk.choices[0].text)
+                    finish = chunk.choices[0].finish_reason or finish
+                return i, "".join(pieces), finish, chunk.id
+
+        async def quitter(i: int):
+            stream = await client.completions.create(
+                model=name,
+                prompt=f"leaving {i}",
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for _ in stream:
+                break  # one chunk, then hang up
+            await stream.close()
+
+        results = await asyncio.gather(*(one(i) for i in range(1000)))
+        await asyncio.gather(*(quitter(i) for i in range(100)))
+        await client.close()
+        return results
+
+    start = time.monotonic()
+    results = asyncio.run(run())
+    assert sorted(i for i, *_ in results) == list(range(1000))
+    assert len({rid for *_, rid in results}) == 1000
+    assert all(finish == "length" for _, _, finish, _ in results)
+    after = server.wait_idle()
+    assert (
+        after["nano_requests_running"],
+        after["nano_requests_waiting"],
+        after["nano_kv_cache_usage"],
+    ) == (0, 0, 0)
+    key = "nano_requests_total{finish_reason=length}"
+    assert after[key] - before.get(key, 0) == 1000
+    assert after["nano_generation_tokens_total"] - before["nano_generation_tokens_total"] == 8000
+    assert time.monotonic() - start < 300
+
+
+def test_metrics_count_what_was_sent(checkpoints, llm):
+    srv = ServerProcess(checkpoints("qwen3"), "--max-model-len", "256")
+    try:
+        name = checkpoints("qwen3")
+        prompts = ["alpha", "beta gamma", "delta epsilon zeta"]
+        for p in prompts:
+            r = httpx.post(
+                f"{srv.url}/v1/completions",
+                json={"model": name, "prompt": p, "max_tokens": 5, "ignore_eos": True},
+                timeout=60,
+            )
+            assert r.status_code == 200
+        m = srv.metrics()
+        assert m["nano_prompt_tokens_total"] == sum(
+            len(llm.tokenizer(p).input_ids) for p in prompts
+        )
+        assert m["nano_generation_tokens_total"] == 15
+        assert m["nano_requests_total{finish_reason=length}"] == 3
+        assert m["nano_time_to_first_token_seconds_count"] == 3
+        assert m["nano_e2e_request_latency_seconds_count"] == 3
+        assert m["nano_inter_token_latency_seconds_count"] == 3
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoints):
+    srv = ServerProcess(checkpoints("qwen3"), "--max-model-len", "256", "--grace-period", "60")
+    body = {
+        "model": checkpoints("qwen3"),
+        "prompt": "slow",
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = []
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", f"{srv.url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        events.append(next(line for line in lines if line.startswith("data:")))
+        srv.proc.send_signal(signal.SIGTERM)
+        events += [line for line in lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finish[-1] == "length"
+    assert srv.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{srv.url}/health", timeout=2)
