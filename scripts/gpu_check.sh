@@ -3,6 +3,7 @@
 # and the benchmarks, print a short table last. This is what runs on the H200 (no network, no
 # nox); `nox -s gpu` calls it too. Logs and JSON go to $OUT when it is set.
 #   scripts/gpu_check.sh [tests|bench|all] [extra nano-engine bench arguments]
+#   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,8 +41,31 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
   done
 fi
 
+if [[ $WHAT == serve ]]; then
+  # The serving benchmark: the server's pure-Python dependencies travel as wheels in .whl/
+  # (that machine has no network), the trace in $TRACE.
+  if [[ -d .whl ]]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+  fi
+  TRACE=${TRACE:-.exp/azure_llm_2023_conv.csv}
+  nano-engine serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
+    --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \
+    > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    curl -sf http://127.0.0.1:8000/health > /dev/null && break
+    sleep 0.5
+  done
+  $PY benchmarks/bench_serving.py --model qwen3-0.6b --trace "$TRACE" "$@" \
+    --json "$OUT/serving.json" --plot "$OUT/serving.png" | tee "$OUT/serving.log"
+  kill -TERM "$server"
+  wait "$server" || true
+fi
+
 echo "== summary"
 [[ -f $OUT/gpu_tests.log ]] && echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 [[ -f $OUT/bench_kernels.log ]] && cat "$OUT/bench_kernels.log"
 for f in "$OUT"/engine_*.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(head -n 2 "$f")"; done
+[[ -f $OUT/serving.log ]] && cat "$OUT/serving.log"
 exit "$tests_rc"

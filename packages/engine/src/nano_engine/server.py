@@ -96,8 +96,6 @@ class Server:
     def __init__(
         self, engine: LLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 1024
     ) -> None:
-        if engine.tokenizer is None:
-            raise ValueError("the server needs a tokenizer (skip_tokenizer_init is set)")
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_queue = max_queue
         self.metrics = ServerMetrics(engine)
@@ -311,7 +309,7 @@ class Server:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
         params = self._params(body, body.max_new_tokens, body.num_logprobs)
-        tokenizer = self.engine.tokenizer
+        tokenizer = self._tokenizer("chat completions")
         try:
             text = tokenizer.apply_chat_template(
                 [m.model_dump(exclude_none=True) for m in body.messages],
@@ -390,7 +388,7 @@ class Server:
     async def tokenize(self, body: TokenizeRequest) -> dict:
         if body.model is not None:
             self._check_model(body.model)
-        tokenizer = self.engine.tokenizer
+        tokenizer = self._tokenizer("tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
@@ -413,7 +411,7 @@ class Server:
             raise APIError(
                 400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
             )
-        return {"prompt": self.engine.tokenizer.decode(body.tokens)}
+        return {"prompt": self._tokenizer("detokenize").decode(body.tokens)}
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -424,7 +422,17 @@ class Server:
             raise APIError(400, str(e)) from e
 
     def _token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+    def _tokenizer(self, what: str):
+        if self.engine.tokenizer is None:
+            raise APIError(
+                400,
+                f"{what} needs a tokenizer; this server runs without one "
+                "(skip_tokenizer_init): send token ids",
+            )
+        return self.engine.tokenizer
 
     def _sse(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
         """Server-sent events, ending with ``data: [DONE]``; a failure mid-stream is sent as an
