@@ -3,7 +3,8 @@
 # and the benchmarks, print a short table last. This is what runs on the H200 (no network, no
 # nox); `nox -s gpu` calls it too. Logs and JSON go to $OUT when it is set.
 #   scripts/gpu_check.sh [tests|bench|all] [extra nano-engine bench arguments]
-#   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark)
+#   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark; first run
+#   scripts/fetch_server_wheels.sh here and carry .whl/, and the trace in .exp/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -53,8 +54,10 @@ if [[ $WHAT == serve ]]; then
     --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \
     > "$OUT/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 600); do
-    curl -sf http://127.0.0.1:8000/health > /dev/null && break
+  until curl -sf http://127.0.0.1:8000/health > /dev/null; do
+    if ! kill -0 "$server" 2> /dev/null; then
+      echo "the server exited:"; tail -n 20 "$OUT/server.log"; exit 1
+    fi
     sleep 0.5
   done
   $PY benchmarks/bench_serving.py --model qwen3-0.6b --trace "$TRACE" "$@" \
