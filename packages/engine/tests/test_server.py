@@ -362,3 +362,19 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoints):
     assert srv.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.url}/health", timeout=2)
+
+
+def test_health_and_requests_get_503_once_the_engine_is_down(checkpoints):
+    from fastapi.testclient import TestClient
+
+    from nano_engine import EngineConfig, LLMEngine
+    from nano_engine.server import Server
+
+    engine = LLMEngine(EngineConfig.from_kwargs(checkpoints("qwen3"), max_model_len=256))
+    client = TestClient(Server(engine, "tiny").app)
+    assert client.get("/health").status_code == 200
+    engine.shutdown()
+    response = client.get("/health")
+    assert response.status_code == 503 and "not running" in response.json()["error"]["message"]
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == 503
