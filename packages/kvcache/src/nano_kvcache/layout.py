@@ -13,10 +13,16 @@ of that kv head. Token slot ``s`` is row ``s % block_size`` of block ``s // bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported when a layout is made, not with the package
+    import torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    import torch
+
+    return (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -25,15 +31,19 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype | None = None  # default bfloat16
 
     def __post_init__(self) -> None:
+        import torch
+
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", torch.bfloat16)
+        if self.dtype not in supported_dtypes():
+            raise ValueError(f"dtype must be one of {supported_dtypes()}, got {self.dtype}")
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -41,7 +51,7 @@ class KVCacheLayout:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
@@ -49,6 +59,8 @@ class KVCacheLayout:
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """An uninitialized cache of ``num_blocks`` blocks on ``device``."""
+        import torch
+
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         return torch.empty(self.shape(num_blocks), dtype=self.dtype, device=device)

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from nano_kvcache import __version__
-from nano_kvcache.layout import SUPPORTED_DTYPES
+from nano_kvcache.layout import supported_dtypes
+
+SUPPORTED_DTYPES = supported_dtypes()
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
