@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,11 +10,7 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nano_engine.parallel import free_port
 
 
 class ServerProcess:

@@ -102,25 +102,18 @@ def test_chat_equals_llm_chat(client, llm, checkpoints):
 
 def test_n_logprobs_stop_and_seed(client, llm, checkpoints):
     name = model_name(checkpoints)
-    r = client.completions.create(
-        model=name,
-        prompt=["One", "Two"],
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
+    seeded = {
+        "model": name,
+        "prompt": ["One", "Two"],
+        "n": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 5,
+        "extra_body": {"ignore_eos": True},
+    }
+    r = client.completions.create(**seeded)
     assert sorted(c.index for c in r.choices) == list(range(6))
-    again = client.completions.create(
-        model=name,
-        prompt=["One", "Two"],
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**seeded)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
     assert r.usage.completion_tokens == 36
 

@@ -55,16 +55,16 @@ def test_random_workloads(
     max_model_len = longest + 1
     num_blocks = -(-longest // block_size) + spare_blocks
     budget = max(max_num_seqs + extra_tokens, 1 if chunked else max_model_len)
+    config = {
+        "block_size": block_size,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": budget,
+        "max_model_len": max_model_len,
+        "enable_chunked_prefill": chunked,
+        "policy": policy,
+    }
     sched = make(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
-        policy=policy,
-        admission_lookahead=lookahead,
-        watermark=watermark,
+        num_blocks=num_blocks, admission_lookahead=lookahead, watermark=watermark, **config
     )
     for s in seqs:
         sched.add(s)
@@ -97,15 +97,7 @@ def test_random_workloads(
 
     # Same outputs as a pool where nothing is ever preempted.
     reference = build(reqs, block_size, shared)
-    roomy = make(
-        num_blocks=len(seqs) * (longest // block_size + 2),
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
-        policy=policy,
-    )
+    roomy = make(num_blocks=len(seqs) * (longest // block_size + 2), **config)
     for s in reference:
         roomy.add(s)
     run_to_completion(roomy)

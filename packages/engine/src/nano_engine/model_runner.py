@@ -19,13 +19,12 @@ from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
 from nano_models.compile import compile_layers
+from nano_models.config import DTYPES
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
 from nano_scheduler import SchedulerOutput
 
 log = logging.getLogger("nano_engine")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -73,7 +72,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return _DTYPES[name]
+        return DTYPES[name]
     # Half precision matmuls are slow or missing on many CPUs: float32 there.
     return model_config.dtype if device.type == "cuda" else torch.float32
 
@@ -247,13 +246,13 @@ class ModelRunner:
 
     # ---- a step ------------------------------------------------------------------------------
 
-    def tensors(self, step: StepInput, table_width: int | None = None):
+    def tensors(self, step: StepInput):
         """Device tensors of a step: input ids, positions and the ForwardContext."""
         num_seqs = len(step.query_lens)
         qsl = [0]
         for n in step.query_lens:
             qsl.append(qsl[-1] + n)
-        width = table_width or max(len(t) for t in step.block_tables)
+        width = max(len(t) for t in step.block_tables)
         # One int32 buffer, filled by C loops (array.extend), one host-to-device copy.
         flat = array("i", step.input_ids)
         flat.extend(qsl)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = config.get("eos_token_id")
         dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-        if dtype_name not in _DTYPES:
+        if dtype_name not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype_name!r} in config.json")
         return cls(
             architecture=architectures[0],
@@ -77,7 +77,7 @@ class ModelConfig:
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             hidden_act=config.get("hidden_act", "silu"),
-            dtype=_DTYPES[dtype_name],
+            dtype=DTYPES[dtype_name],
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             raw=config,
         )
