@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import random
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ async def one(
     max_tokens: int,
     start: float,
 ) -> dict:
+    """One streaming completion; each server-sent event is one step's token, stamped when it
+    arrives (events that arrive in one read share the stamp: they did arrive together)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -44,18 +47,21 @@ async def one(
         "stream": True,
     }
     sent = time.perf_counter()
-    times, error = [], None
+    times, error, pending = [], None, b""
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
         else:
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = chunk["error"]["message"]
-                    elif chunk["choices"] and chunk["choices"][0]["text"] is not None:
-                        times.append(time.perf_counter())
+            async for data in response.aiter_raw():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if event.startswith(b'data: {"error"'):
+                        error = json.loads(event[6:])["error"]["message"]
+                    elif event.startswith(b"data: {"):
+                        times.append(now)
+    if error is None and len(times) != max_tokens:
+        error = f"{len(times)} tokens streamed, {max_tokens} asked for"
     return {
         "sent": sent - start,
         "times": [t - sent for t in times],
@@ -65,15 +71,17 @@ async def one(
     }
 
 
-async def replay(args: argparse.Namespace) -> list[dict]:
-    requests = load_azure_trace(args.trace, args.limit)
-    requests = scale_arrivals(requests, args.rate_scale)
-    rng = random.Random(args.seed)
+async def replay_part(args: argparse.Namespace, part: int, start_at: float) -> list[dict]:
+    """Replay every ``args.processes``-th request of the trace (from ``part``), on the trace's
+    clock started at wall time ``start_at``."""
+    requests = scale_arrivals(load_azure_trace(args.trace, args.limit), args.rate_scale)
+    rng = random.Random(args.seed + part)
     limits = httpx.Limits(max_connections=args.max_connections)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        start = time.perf_counter()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
+        start = time.perf_counter() + (start_at - time.time())
         tasks = []
-        for r in requests:
+        for r in requests[part :: args.processes]:
             delay = r.arrival_time - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -86,6 +94,25 @@ async def replay(args: argparse.Namespace) -> list[dict]:
                 )
             )
         return await asyncio.gather(*tasks)
+
+
+def client_process(args: argparse.Namespace, part: int, start_at: float) -> tuple[list, float]:
+    """One client process: its results and the CPU seconds it used."""
+    cpu = time.process_time()
+    results = asyncio.run(replay_part(args, part, start_at))
+    return results, time.process_time() - cpu
+
+
+def replay(args: argparse.Namespace) -> tuple[list[dict], float]:
+    """All requests from ``args.processes`` client processes (one Python process cannot parse
+    tens of thousands of events a second); returns the results and the clients' busiest CPU
+    share."""
+    start_at = time.time() + 2.0  # the processes start first, then the trace's clock
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(args.processes) as pool:
+        parts = pool.starmap(client_process, [(args, p, start_at) for p in range(args.processes)])
+    wall = time.time() - start_at
+    return [r for results, _ in parts for r in results], max(cpu for _, cpu in parts) / wall
 
 
 def summarize(results: list[dict]) -> dict:
@@ -134,6 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument("--api-key")
     parser.add_argument(
         "--trace", type=Path, default=ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
     )
@@ -148,11 +176,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=10_000, help="prompt ids below this")
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=4, help="client processes")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
-    results = asyncio.run(replay(args))
+    results, cpu_share = replay(args)
     summary = summarize(results)
+    # A saturated client would report its own delays as the server's.
+    summary["client_cpu_share"] = cpu_share
     print(
         f"{summary['requests']} requests ({summary['failed']} failed) in "
         f"{summary['duration_s']:.1f} s: {summary['input_tok_per_s']:,.0f} input tok/s, "
@@ -168,6 +199,7 @@ def main() -> None:
                 for k in ("mean", "p50", "p90", "p99")
             )
         )
+    print(f"busiest client process: CPU busy {summary['client_cpu_share']:.0%} of the run")
     failures = [r["error"] for r in results if r["error"]]
     if failures:
         print(f"first failure: {failures[0]}")

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -304,6 +308,62 @@ def test_load_and_disconnects_leave_no_blocks(server, checkpoints):
     assert after[key] - before.get(key, 0) == 1000
     assert after["nano_generation_tokens_total"] - before["nano_generation_tokens_total"] == 8000
     assert time.monotonic() - start < 300
+
+
+def test_a_waiting_non_streaming_client_that_hangs_up_is_aborted(server, checkpoints):
+    before = server.metrics()
+    body = json.dumps(
+        {
+            "model": model_name(checkpoints),
+            "prompt": "hang up",
+            "max_tokens": 240,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while server.metrics()["nano_requests_running"] != 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    after = server.wait_idle()
+    assert after["nano_kv_cache_usage"] == 0
+    # Aborted, not finished: a finished request would count its 240 tokens.
+    assert after["nano_generation_tokens_total"] == before["nano_generation_tokens_total"]
+
+
+def test_serving_benchmark_replays_the_trace(server, checkpoints, tmp_path):
+    root = Path(__file__).resolve().parents[3]
+    trace = root / "packages/scheduler/tests/data/azure_llm_2023_conv_head100.csv"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks/bench_serving.py"),
+            f"--url={server.url}",
+            f"--model={model_name(checkpoints)}",
+            f"--api-key={KEY}",
+            f"--trace={trace}",
+            "--limit=30",
+            "--rate-scale=1000",
+            "--max-len=24",
+            "--vocab=100",
+            "--processes=2",
+            f"--json={tmp_path / 'serving.json'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "serving.json").read_text())["summary"]
+    # Each request's streamed token count is checked against its max_tokens by the script.
+    assert (summary["requests"], summary["failed"]) == (30, 0)
+    assert 0 < summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+    assert server.wait_idle()["nano_kv_cache_usage"] == 0
 
 
 def test_metrics_count_what_was_sent(checkpoints, llm):

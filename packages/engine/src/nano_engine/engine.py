@@ -25,7 +25,7 @@ from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.parallel import Workers, init_group
 from nano_engine.sampler import Sampler
-from nano_engine.streams import EngineDeadError, RequestStream
+from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
@@ -301,7 +301,7 @@ class LLMEngine:
             return
         for seq in request.seqs:
             self.scheduler.abort(seq.seq_id)
-        self._publish(request, range(len(request.seqs)), time.monotonic())
+        request.stream.put(self._output(request, range(len(request.seqs)), time.monotonic()))
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -332,8 +332,8 @@ class LLMEngine:
                 elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
                     request.stop_reasons[index] = token
         now = time.monotonic()
-        for request, indices in touched.values():
-            self._publish(request, indices, now)
+        outputs = [(r, self._output(r, indices, now)) for r, indices in touched.values()]
+        publish((r.stream, out) for r, out in outputs if out is not None)
         if not out.is_empty:
             end = time.perf_counter()
             self.stats.record(
@@ -347,11 +347,12 @@ class LLMEngine:
         touched.setdefault(request.request_id, (request, set()))[1].add(index)
         return request, index
 
-    def _publish(self, request: _Request, indices, now: float) -> None:
-        """Push what is new in these sequences of a request; retire it once all finished."""
+    def _output(self, request: _Request, indices, now: float) -> RequestOutput | None:
+        """What is new in these sequences of a request (None: nothing to send yet); retires
+        the request once all its sequences finished."""
         if not request.stream_deltas:
             if not all(s.is_finished for s in request.seqs):
-                return
+                return None
             indices = range(len(request.seqs))
         outputs = []
         for i in sorted(indices):
@@ -389,16 +390,14 @@ class LLMEngine:
             with self._cond:
                 self._requests.pop(request.request_id, None)
         cached = request.seqs[0].num_cached_tokens if not finished else 0
-        request.stream.put(
-            RequestOutput(
-                request.request_id,
-                request.prompt,
-                request.prompt_token_ids,
-                outputs,
-                finished,
-                cached,
-                metrics,
-            )
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished,
+            cached,
+            metrics,
         )
 
     def _fail(self, error: BaseException) -> None:
@@ -408,8 +407,7 @@ class LLMEngine:
             self._requests.clear()
         if not isinstance(error, EngineDeadError) or "shut down" not in str(error):
             log.error("the engine stopped: %s", error)
-        for request in requests:
-            request.stream.put(EngineDeadError(f"the engine stopped: {error}"))
+        publish((r.stream, EngineDeadError(f"the engine stopped: {error}")) for r in requests)
 
     def _watch_workers(self) -> None:
         while self.error is None and not self._stopping:

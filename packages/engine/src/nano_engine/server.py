@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -56,21 +57,35 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a request body over ``max_bytes`` (declared or streamed)."""
+class Gate:
+    """ASGI middleware in front of the routes: 413 for a request body over ``max_bytes``
+    (declared or streamed), then 401 for the API routes without the right bearer key. Plain
+    ASGI: starlette's ``BaseHTTPMiddleware`` would add a task and a queue to every streamed
+    chunk."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    PROTECTED = ("/v1", "/tokenize", "/detokenize")
+
+    def __init__(self, app, max_bytes: int, api_key: str | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.authorization = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
         too_big = error_response(
             413, f"the request body is over {self.max_bytes} bytes", "request_too_large"
         )
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await too_big(scope, receive, send)
+        if (
+            self.authorization is not None
+            and scope["path"].startswith(self.PROTECTED)
+            and not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization)
+        ):
+            denied = error_response(401, "a valid API key is required", "authentication_error")
+            return await denied(scope, receive, send)
         received = 0
 
         async def counting_receive():
@@ -93,10 +108,8 @@ class Server:
     """The routes over one engine. ``max_queue``: requests queued or running beyond which new
     ones get 503."""
 
-    def __init__(
-        self, engine: LLMEngine, model_name: str, api_key: str | None = None, max_queue: int = 1024
-    ) -> None:
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+    def __init__(self, engine: LLMEngine, model_name: str, max_queue: int = 1024) -> None:
+        self.engine, self.model_name = engine, model_name
         self.max_queue = max_queue
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
@@ -121,14 +134,6 @@ class Server:
                 f"invalid request: {first.get('msg', e)}" + (f" ({where})" if where else ""),
                 param=where,
             )
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            protected = request.url.path.startswith(("/v1", "/tokenize", "/detokenize"))
-            key = request.headers.get("authorization")
-            if self.api_key and protected and key != f"Bearer {self.api_key}":
-                return error_response(401, "a valid API key is required", "authentication_error")
-            return await call_next(request)
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
@@ -199,37 +204,24 @@ class Server:
         self, streams: list[RequestStream], raw: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of several streams as they come, as (prompt index, output); a client that
-        goes away aborts what is left."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    await queue.put((i, out))
-            except Exception as e:  # an engine failure travels to the reader
-                await queue.put((i, e))
-            await queue.put((i, None))
-
-        async def watch() -> None:
-            while not await raw.is_disconnected():
-                await asyncio.sleep(0.1)
-            await queue.put((-1, ConnectionAbortedError()))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        tasks.append(asyncio.create_task(watch()))
-        remaining = len(streams)
+        goes away aborts what is left. One event wakes this reader for all its streams."""
+        wake = asyncio.Event()
+        for stream in streams:
+            stream.attach(wake)
+        gone = asyncio.create_task(_disconnected(raw, wake))
         try:
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
+            while True:
+                for i, stream in enumerate(streams):
+                    while not stream.finished and (out := stream.get_nowait()) is not None:
+                        yield i, out
+                if all(stream.finished for stream in streams):
+                    return
+                if gone.done():
+                    raise ConnectionAbortedError
+                await wake.wait()
+                wake.clear()
         finally:
-            for task in tasks:
-                task.cancel()
+            gone.cancel()
             self._abort(streams)
 
     async def _collect(self, streams, raw) -> list[RequestOutput]:
@@ -451,6 +443,13 @@ class Server:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
+    """Return once the client has gone (the server sends ``http.disconnect``; no polling)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    wake.set()
+
+
 def _event_error(status: int, message: str, kind: str) -> str:
     error = {"message": message, "type": kind, "param": None, "code": status}
     return f"data: {json.dumps({'error': error})}\n\n"
@@ -473,8 +472,8 @@ def build_app(
     max_body_bytes: int = 1 << 20,
     max_queue: int = 1024,
 ):
-    """The ASGI app: the routes and the body-size limit around them."""
-    return BodyLimit(Server(engine, model_name, api_key, max_queue).app, max_body_bytes)
+    """The ASGI app: the routes behind the body-size limit and the key check."""
+    return Gate(Server(engine, model_name, max_queue).app, max_body_bytes, api_key)
 
 
 def serve(

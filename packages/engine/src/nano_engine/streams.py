@@ -4,9 +4,10 @@ asyncio."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 from nano_engine.outputs import RequestOutput
 
@@ -17,27 +18,34 @@ class EngineDeadError(RuntimeError):
 
 class RequestStream:
     """Incremental ``RequestOutput``s of one request, ending with one whose ``finished`` is
-    True. Iterate it (blocking) or ``async for`` it; an engine failure is raised to the reader."""
+    True. Iterate it (blocking) or ``async for`` it; an engine failure is raised to the reader.
+    Several streams read by one coroutine can share one event (``attach``)."""
 
     def __init__(self, request_id: str, notify: Callable[[RequestStream], None] | None = None):
         self.request_id = request_id
         self._items: deque[RequestOutput | BaseException] = deque()
         self._cond = threading.Condition()
         self._notify = notify
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called by the engine's thread."""
+        publish([(self, item)])
+
+    def _append(self, item) -> tuple[asyncio.AbstractEventLoop, asyncio.Event] | None:
         with self._cond:
             self._items.append(item)
             self._cond.notify_all()
-            loop, event = self._loop, self._event
-        if loop is not None:
-            loop.call_soon_threadsafe(event.set)
-        if self._notify is not None:
-            self._notify(self)
+            return self._waker
+
+    def attach(self, event: asyncio.Event) -> None:
+        """Set ``event`` (from the engine's thread, on the running loop) whenever an output
+        arrives; read the outputs with ``get_nowait``."""
+        with self._cond:
+            self._waker = (asyncio.get_running_loop(), event)
+            if self._items:
+                event.set()
 
     def get(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output, blocking up to ``timeout`` seconds (None: no new output yet)."""
@@ -65,13 +73,32 @@ class RequestStream:
                 yield item
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        with self._cond:
-            self._loop = asyncio.get_running_loop()
-            self._event = asyncio.Event()
+        event = asyncio.Event()
+        self.attach(event)
         while not self.finished:
             item = self.get_nowait()
             if item is not None:
                 yield item
                 continue
-            await self._event.wait()
-            self._event.clear()
+            await event.wait()
+            event.clear()
+
+
+def publish(items: Iterable[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Append outputs to their streams, waking each asyncio loop once for all of them (one
+    wake-up per stream and step would cost the loop more than the outputs themselves)."""
+    wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for stream, item in items:
+        waker = stream._append(item)
+        if waker is not None:
+            wake.setdefault(waker[0], []).append(waker[1])
+        if stream._notify is not None:
+            stream._notify(stream)
+    for loop, events in wake.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting there
+            loop.call_soon_threadsafe(_set_all, events)
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
