@@ -21,7 +21,8 @@ PACKAGES = [
 ]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
 TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx")
-SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "prometheus-client")  # nano-engine[serve]
+# nano-engine[serve]
+SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client")
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"

@@ -1,8 +1,10 @@
 """Replay an Azure LLM trace against a running nano-engine server and measure serving latency.
 
 Each request is sent at its (scaled) arrival time as a streaming completion of random token ids
-of the trace's prompt length, asking for exactly its output length (ignore_eos). Reports TTFT,
-inter-token and end-to-end latency percentiles and throughput, as JSON and as a plot.
+of the trace's prompt length, asking for exactly its output length (ignore_eos; the usage
+chunk's count is checked). Reports TTFT, inter-token (between streamed chunks: one token each
+unless the server fell behind and merged them) and end-to-end latency percentiles and
+throughput, as JSON and as a plot.
 
     nano-engine serve MODEL --port 8000 &
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model MODEL \\
@@ -36,8 +38,9 @@ async def one(
     max_tokens: int,
     start: float,
 ) -> dict:
-    """One streaming completion; each server-sent event is one step's token, stamped when it
-    arrives (events that arrive in one read share the stamp: they did arrive together)."""
+    """One streaming completion; each server-sent event with text is stamped when it arrives
+    (events that arrive in one read share the stamp: they did arrive together). An event is a
+    step's token, or several when the server fell behind; the final usage event counts them."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -45,9 +48,10 @@ async def one(
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
-    times, error, pending = [], None, b""
+    times, error, pending, tokens = [], None, b"", None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
@@ -58,15 +62,17 @@ async def one(
                 for event in events:
                     if event.startswith(b'data: {"error"'):
                         error = json.loads(event[6:])["error"]["message"]
+                    elif b'"usage": {' in event:
+                        tokens = json.loads(event[6:])["usage"]["completion_tokens"]
                     elif event.startswith(b"data: {"):
                         times.append(now)
-    if error is None and len(times) != max_tokens:
-        error = f"{len(times)} tokens streamed, {max_tokens} asked for"
+    if error is None and tokens != max_tokens:
+        error = f"{tokens} tokens streamed, {max_tokens} asked for"
     return {
         "sent": sent - start,
         "times": [t - sent for t in times],
         "prompt": len(prompt),
-        "max_tokens": max_tokens,
+        "tokens": tokens,
         "error": error,
     }
 
@@ -121,7 +127,7 @@ def summarize(results: list[dict]) -> dict:
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
     e2e = [r["times"][-1] for r in ok]
     duration = max(r["sent"] + r["times"][-1] for r in ok) - min(r["sent"] for r in ok)
-    output = sum(len(r["times"]) for r in ok)
+    output = sum(r["tokens"] for r in ok)
     return {
         "requests": len(results),
         "failed": len(results) - len(ok),

@@ -11,7 +11,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .whl \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic_core==2.50.4 \
   annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 \
-  opentelemetry-api==1.45.2 uvicorn==0.54.0 prometheus_client==0.26.0 \
+  opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0 prometheus_client==0.26.0 \
   typing_extensions==4.16.0 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
   httpx==0.28.1 httpcore==1.0.9 certifi
 ls .whl

@@ -53,7 +53,7 @@ if [[ ,$WHAT, == *,serve,* ]]; then
     export PYTHONPATH=/tmp/site
   fi
   TRACE=${TRACE:-.exp/azure_llm_2023_conv.csv}
-  nano-engine serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
+  nano-engine -v serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
     --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \
     > "$OUT/server.log" 2>&1 &
   server=$!
@@ -73,5 +73,5 @@ echo "== summary"
 [[ -f $OUT/gpu_tests.log ]] && echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 [[ -f $OUT/bench_kernels.log ]] && cat "$OUT/bench_kernels.log"
 for f in "$OUT"/engine_*.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(head -n 2 "$f")"; done
-[[ -f $OUT/serving.log ]] && cat "$OUT/serving.log"
+[[ -f $OUT/serving.log ]] && cat "$OUT/serving.log" && grep "generation" "$OUT/server.log" | cut -c 12-
 exit "$tests_rc"

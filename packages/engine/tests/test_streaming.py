@@ -205,3 +205,14 @@ def test_shutdown_fails_new_requests(checkpoints):
     llm.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.generate("after", greedy(3), use_tqdm=False)
+
+
+def test_the_engine_logs_its_throughput(llm, caplog, monkeypatch):
+    monkeypatch.setattr(llm.engine.stats_log, "interval", 0.0)  # a line after every step
+    with caplog.at_level("INFO", logger="nano_engine"):
+        llm.generate(["one", "two three"], greedy(5), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if "generation" in r.getMessage()]
+    assert len(lines) >= 5
+    # The last step samples both sequences' fifth tokens and leaves nothing behind.
+    assert lines[-1].startswith("prompt 0 tok/s")
+    assert "running 0, waiting 0, KV cache 0.0%, preemptions 0" in lines[-1]

@@ -135,6 +135,7 @@ class LLMEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.stats = StepStats()
+        self.stats_log = StatsLog()
         self.step_log: list[dict] | None = None  # batch shapes and times, when recording
         self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
         self._thread.start()
@@ -336,9 +337,9 @@ class LLMEngine:
         publish((r.stream, out) for r, out in outputs if out is not None)
         if not out.is_empty:
             end = time.perf_counter()
-            self.stats.record(
-                launched - start + end - sampled, sampled - launched, out.num_batched_tokens
-            )
+            host, device = launched - start + end - sampled, sampled - launched
+            self.stats.record(host, device, out.num_batched_tokens)
+            self.stats_log.record(out, host, device, self.scheduler)
             if self.step_log is not None:
                 self.step_log[-1]["seconds"] = sampled - launched
 
@@ -467,6 +468,45 @@ class StepStats:
     def host_share(self) -> float:
         total = self.host_seconds + self.device_seconds
         return self.host_seconds / total if total else 0.0
+
+
+class StatsLog:
+    """One INFO line every ``interval`` seconds while the engine works (as vLLM logs): prompt
+    and generation throughput, step time and its host share, queues, KV usage, preemptions."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.start, self.steps, self.prompt, self.generated = now, 0, 0, 0
+        self.host = self.device = 0.0
+
+    def record(self, out, host: float, device: float, scheduler: Scheduler) -> None:
+        self.steps += 1
+        self.prompt += sum(c.num_tokens for c in out.prefills)
+        self.generated += len(out.sampling_seqs)
+        self.host += host
+        self.device += device
+        now = time.monotonic()
+        if now - self.start < self.interval:
+            return
+        if log.isEnabledFor(logging.INFO):
+            s, seconds = scheduler.stats(), now - self.start
+            log.info(
+                "prompt %.0f tok/s, generation %.0f tok/s, %.1f steps/s of %.2f ms "
+                "(host %.0f%%), running %d, waiting %d, KV cache %.1f%%, preemptions %d",
+                self.prompt / seconds,
+                self.generated / seconds,
+                self.steps / seconds,
+                (self.host + self.device) / self.steps * 1e3,
+                100 * self.host / (self.host + self.device),
+                s.num_running,
+                s.num_waiting,
+                100 * s.kv_usage,
+                s.num_preemptions,
+            )
+        self._reset(now)
 
 
 def _shape(out) -> dict:

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -204,7 +205,8 @@ class Server:
         self, streams: list[RequestStream], raw: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of several streams as they come, as (prompt index, output); a client that
-        goes away aborts what is left. One event wakes this reader for all its streams."""
+        goes away aborts what is left. One event wakes this reader for all its streams; a
+        reader that falls behind gets the waiting deltas of a stream merged into one."""
         wake = asyncio.Event()
         for stream in streams:
             stream.attach(wake)
@@ -212,8 +214,12 @@ class Server:
         try:
             while True:
                 for i, stream in enumerate(streams):
+                    # Deltas that queued up while this reader was behind go out as one.
+                    merged = None
                     while not stream.finished and (out := stream.get_nowait()) is not None:
-                        yield i, out
+                        merged = out if merged is None else merge_outputs(merged, out)
+                    if merged is not None:
+                        yield i, merged
                 if all(stream.finished for stream in streams):
                     return
                 if gone.done():
@@ -489,6 +495,10 @@ def serve(
     """Run until SIGINT / SIGTERM: stop accepting, let in-flight requests finish within the
     grace period (uvicorn cancels the rest, which aborts their engine requests), shut down."""
     import uvicorn
+
+    # The engine's step loop shares the GIL with this event loop; every time it waits for the
+    # GPU it must win the GIL back from a busy event loop, which by default takes up to 5 ms.
+    sys.setswitchinterval(0.0005)
 
     class GracefulServer(uvicorn.Server):
         """Shuts down on SIGTERM / SIGINT and returns (uvicorn would re-raise the signal after
