@@ -160,23 +160,28 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_workload(
+    seed: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int]
+) -> tuple[random.Random, list[list[int]], list[int]]:
+    """nano-vllm's bench.py workload (the same draws from the same generator): random prompt
+    ids and output lengths, uniform in the given ranges. Returns the generator for more draws."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(0, 10_000) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)
+    ]
+    return rng, prompts, [rng.randint(*output_len) for _ in range(num_seqs)]
+
+
 def bench(args: argparse.Namespace) -> int:
     from nano_engine import LLM, SamplingParams
 
     kwargs = engine_kwargs(args)
     if kwargs["load_format"] == "dummy" and kwargs["tokenizer"] is None:
         kwargs["skip_tokenizer_init"] = True
-    # nano-vllm's bench.py: the same draws from the same generator.
-    rng = random.Random(args.bench_seed)
-    lo, hi = args.input_len
-    prompts = [
-        [rng.randint(0, 10_000) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_seqs)
-    ]
-    lo, hi = args.output_len
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi))
-        for _ in range(args.num_seqs)
-    ]
+    rng, prompts, max_tokens = bench_workload(
+        args.bench_seed, args.num_seqs, args.input_len, args.output_len
+    )
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     with LLM(args.model, **kwargs) as llm:
         # Warm-up: prefill, mixed and decode steps of several sizes, so that nothing is
         # compiled (Triton, Inductor, cuBLAS heuristics) inside the timed runs.
