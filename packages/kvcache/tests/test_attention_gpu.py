@@ -165,3 +165,55 @@ def test_decode_in_a_cuda_graph_with_changing_lengths():
         graph.replay()
         ref = paged_attention_reference(q, k_cache, v_cache, tables.tolist(), [1] * 8, lens, 0.088)
         check(out, ref, torch.bfloat16)
+
+
+def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
+    """In a mixed batch the decodes' metadata are slices at any offset and the block-table
+    width follows the batch; none of that may compile another kernel (0.3-0.8 s each)."""
+    if DEVICE != "cuda":
+        pytest.skip("compilation happens on the GPU only")
+    import triton
+
+    from nano_kvcache.attention import paged_decode, paged_prefill
+
+    compiled = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: compiled.append(k.get("repr"))
+    )
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k_cache, v_cache = make_cache(400, 8, 16, 128, torch.bfloat16, g)
+    rng = random.Random(3)
+    for step, (offset, width) in enumerate([(0, 16), (1, 17), (2, 19), (3, 16), (5, 33)]):
+        lens = [rng.randint(1, 16 * 16) for _ in range(offset + 6)]
+        tables = tables_for(lens, 16, 400, rng)
+        table = torch.zeros(len(lens), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table, seq_lens = table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens) - offset, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, k_cache, v_cache, table[offset:], seq_lens[offset:], 0.088, out=out)
+        ref = paged_attention_reference(
+            q, k_cache, v_cache, tables[offset:], [1] * len(q), lens[offset:], 0.088
+        )
+        check(out, ref, torch.bfloat16)
+        # One prefill token per sequence, with query_start_loc a slice at the offset too (the
+        # engine packs all step metadata into one buffer).
+        starts = torch.arange(len(q) + 1, dtype=torch.int32)
+        qsl = torch.cat([torch.zeros(offset, dtype=torch.int32), starts]).cuda()
+        out = torch.full_like(q, float("nan"))
+        paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            table[offset:],
+            seq_lens[offset:],
+            qsl[offset:],
+            1,
+            0.088,
+            out=out,
+        )
+        check(out, ref, torch.bfloat16)
+        if step == 0:
+            compiled.clear()  # the first step compiles (or loads) each kernel once
+    assert compiled == []

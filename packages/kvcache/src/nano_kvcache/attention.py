@@ -55,7 +55,14 @@ def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+# Triton compiles a variant per 16-byte alignment of every pointer and divisibility of every
+# int. In a mixed batch the decode metadata are slices at any offset (seq_lens[num_prefills:])
+# and the block-table width follows the batch: without these exemptions each new combination
+# would compile a kernel (~0.5 s) in the middle of serving. Scalar loads gain nothing from it.
+_METADATA = ["block_tables", "seq_lens", "query_start_loc"]
+
+
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_METADATA[:2])
 def _decode_kernel(
     q_ptr,
     k_cache,
@@ -270,7 +277,7 @@ def paged_decode(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_METADATA)
 def _prefill_kernel(
     q_ptr,
     k_cache,
