@@ -201,6 +201,13 @@ class ModelRunner:
             probs.sort(dim=-1, descending=True)
             del probs
         del logits
+        # The longest single prompt chunk too: kernels pick their tiles by the longest query,
+        # and compiling those in the middle of serving would stall a step for ~0.5 s.
+        longest = max(1, min(tokens, self.max_model_len - 1))
+        count = -(-longest // self.block_size)
+        self.execute(
+            StepInput([0] * longest, [longest], [longest], [list(range(count))], 1, [longest - 1])
+        )
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         graph_reserve = 0
