@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -209,10 +210,17 @@ def test_shutdown_fails_new_requests(checkpoints):
 
 def test_the_engine_logs_its_throughput(llm, caplog, monkeypatch):
     monkeypatch.setattr(llm.engine.stats_log, "interval", 0.0)  # a line after every step
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "generation" in r.getMessage()]
+
     with caplog.at_level("INFO", logger="nano_engine"):
         llm.generate(["one", "two three"], greedy(5), use_tqdm=False)
-    lines = [r.getMessage() for r in caplog.records if "generation" in r.getMessage()]
-    assert len(lines) >= 5
+        # The last step's line follows its outputs, which generate may return first.
+        deadline = time.monotonic() + 10
+        while len(lines()) < 5:
+            assert time.monotonic() < deadline, lines()
+            time.sleep(0.01)
     # The last step samples both sequences' fifth tokens and leaves nothing behind.
-    assert lines[-1].startswith("prompt 0 tok/s")
-    assert "running 0, waiting 0, KV cache 0.0%, preemptions 0" in lines[-1]
+    assert lines()[-1].startswith("prompt 0 tok/s")
+    assert "running 0, waiting 0, KV cache 0.0%, preemptions 0" in lines()[-1]

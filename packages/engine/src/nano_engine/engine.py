@@ -288,13 +288,21 @@ class LLMEngine:
                         self._abort(payload)
                 if self.scheduler.has_unfinished():
                     self._step()
-        except BaseException:
-            if self.workers is not None and self.workers.dead():
-                e = EngineDeadError(self.workers.dead())
-            self._fail(e)
+        except BaseException as e:
+            self._fail(self._worker_death() or e)
         finally:
             if self.error is None:
                 self._fail(EngineDeadError("the engine was shut down"))
+
+    def _worker_death(self, wait: float = 2.0) -> EngineDeadError | None:
+        """After a failed step: a dead worker is the cause when there is one (its exit may
+        reach us a moment after the collective that failed because of it)."""
+        if self.workers is None:
+            return None
+        deadline = time.monotonic() + wait
+        while (message := self.workers.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return EngineDeadError(message) if message else None
 
     def _abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)

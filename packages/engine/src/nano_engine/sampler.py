@@ -5,14 +5,21 @@ temperature (0 is greedy), top-k, top-p, min-p, then a draw by the exponential r
 (argmax of p / E with E ~ Exp(1)), which needs no normalization and lets a seeded request
 draw its noise from its own generator: the same seed gives the same tokens whatever else is in
 the batch. Log-probabilities are those of the model's raw distribution.
+
+On CUDA the rows without top-k, top-p or min-p take one fused pass instead (nano_engine.gumbel:
+the argmax of logits / temperature plus Gumbel noise keyed by a per-row seed, the same
+distribution); a seeded row's seed is mixed with its number of output tokens, so it still draws
+the same tokens in any batch.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
 
+from nano_engine import gumbel
 from nano_engine.outputs import Logprob
 from nano_scheduler import SamplingParams, Sequence
 
@@ -33,12 +40,20 @@ class SamplingBatch:
     penalty_tokens: tuple[list[int], list[int], list[int], list[int]] | None = None
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
     logprobs: list[int | None] = field(default_factory=list)
+    # The fused path (CUDA): 1 / temperature (0 for greedy) and Philox seeds per row; rows
+    # with top-k / top-p / min-p are marked in ``filtered`` and take the torch path.
+    inv_temperature: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    filtered: torch.Tensor | None = None
+    num_filtered: int = 0
 
 
 class Sampler:
     def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device, self.vocab_size = device, vocab_size
         self._generators: dict[int, torch.Generator] = {}
+        self.fused = gumbel.available(device)
+        self._rng = random.Random(torch.initial_seed())  # unseeded rows' Philox seeds
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's generator."""
@@ -48,11 +63,17 @@ class Sampler:
         params: list[SamplingParams] = [s.params for s in seqs]
         vocab = self.vocab_size
         greedy = [p.temperature == 0 for p in params]
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        filtered = [
+            not g and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
+            for p, g in zip(params, greedy)
+        ]
+        # Without the fused path every row takes the torch path.
+        torch_rows = filtered if self.fused else [True] * len(params)
+        sampled = [p for p, g, t in zip(params, greedy, torch_rows) if t and not g]
         use_top_k = any(0 < p.top_k < vocab for p in sampled)
         use_top_p = any(p.top_p < 1 for p in sampled)
         use_min_p = any(p.min_p > 0 for p in sampled)
-        # Every per-row number in one host-to-device copy.
+        # Every per-row number in one host-to-device copy (float64 holds 53-bit seeds exactly).
         rows = [
             [1.0 if g else p.temperature for p, g in zip(params, greedy)],
             [float(g) for g in greedy],
@@ -63,22 +84,31 @@ class Sampler:
             rows.append([p.top_p for p in params])
         if use_min_p:
             rows.append([p.min_p for p in params])
-        packed = iter(torch.tensor(rows, dtype=torch.float32).to(self.device).unbind(0))
+        if self.fused:
+            rows.append([0.0 if g else 1 / p.temperature for p, g in zip(params, greedy)])
+            rows.append([float(self._seed(seq)) for seq in seqs])
+            rows.append([float(f) for f in filtered])
+        packed = iter(torch.tensor(rows, dtype=torch.float64).to(self.device).unbind(0))
         batch = SamplingBatch(
-            temperature=next(packed),
+            temperature=next(packed).float(),
             greedy=next(packed) > 0,
             top_k=next(packed).long() if use_top_k else None,
-            top_p=next(packed) if use_top_p else None,
-            min_p=next(packed) if use_min_p else None,
+            top_p=next(packed).float() if use_top_p else None,
+            min_p=next(packed).float() if use_min_p else None,
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             logprobs=[p.logprobs for p in params],
         )
+        if self.fused:
+            batch.inv_temperature = next(packed).float()
+            batch.seeds = next(packed).long()
+            batch.filtered = next(packed) > 0
+            batch.num_filtered = sum(filtered)
         dev = self.device
         for row, (seq, p) in enumerate(zip(seqs, params)):
             if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
                 batch.masks.append((row, sorted(seq.stop_token_ids)))
-            if p.seed is not None and not greedy[row]:
+            if p.seed is not None and not greedy[row] and torch_rows[row]:
                 gen = self._generators.get(seq.seq_id)
                 if gen is None:
                     gen = torch.Generator(device=dev).manual_seed(p.seed)
@@ -104,31 +134,45 @@ class Sampler:
             batch.penalty_tokens = (out_rows, out_ids, prompt_rows, prompt_ids)
         return batch
 
+    def _seed(self, seq: Sequence) -> int:
+        """A row's Philox seed for this step (53 bits): from the request's seed and its
+        position when seeded, else fresh."""
+        if seq.params.seed is None:
+            return self._rng.getrandbits(53)
+        return hash((seq.params.seed, seq.num_output_tokens)) & ((1 << 53) - 1)
+
     @torch.no_grad()
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[Logprob | None]]:
         """logits [S, V] -> one token id per row, and the requested log-probabilities."""
-        logits = logits.float()
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1)
-            if any(k is not None for k in batch.logprobs)
-            else None
-        )
+        want_logprobs = any(k is not None for k in batch.logprobs)
+        fused_only = batch.seeds is not None and batch.num_filtered == 0
+        if not fused_only or want_logprobs or batch.masks or batch.penalties is not None:
+            logits = logits.float()  # the fused pass reads the model's dtype as it is
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for row, ids in batch.masks:
             logits[row, ids] = float("-inf")
         if batch.penalties is not None:
             logits = self._penalize(logits, batch)
-        if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
-        elif batch.any_greedy:
-            tokens = torch.where(batch.greedy, logits.argmax(dim=-1), self._draw(logits, batch))
+        if fused_only:
+            tokens = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds)
         else:
-            tokens = self._draw(logits, batch)
+            tokens = self._torch_sample(logits, batch)
+            if batch.seeds is not None:  # some rows have filters: the rest take the fused pass
+                fused = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds)
+                tokens = torch.where(batch.filtered, tokens, fused)
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(token_list)
         return token_list, self._logprobs(raw_logprobs, tokens, token_list, batch.logprobs)
+
+    def _torch_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        if batch.any_greedy:
+            return torch.where(batch.greedy, logits.argmax(dim=-1), self._draw(logits, batch))
+        return self._draw(logits, batch)
 
     def _penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         repetition, presence, frequency = batch.penalties

@@ -1,0 +1,75 @@
+"""Sampling in one pass over the logits (Triton): the argmax of logits / temperature plus Gumbel
+noise is a draw from softmax(logits / temperature), so no softmax, no normalization and no
+noise tensor are needed. Philox noise is keyed by a per-row seed, so a row's draw does not
+depend on the rest of the batch. Greedy rows take the plain argmax; -inf logits are never drawn.
+
+The sampler uses it on CUDA for the rows without top-k, top-p or min-p (those need the whole
+sorted distribution).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the sampler keeps its torch path
+    triton = None
+
+_BLOCK = 4096
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gumbel_argmax_kernel(
+        logits,
+        stride,
+        inv_temperature,
+        seeds,
+        out,
+        vocab,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        inv_t = tl.load(inv_temperature + row)  # 0 marks a greedy row
+        seed = tl.load(seeds + row)
+        best = tl.full((), float("-inf"), tl.float32)
+        best_id = tl.full((), 0, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+            x = x.to(tl.float32)
+            u = tl.rand(seed, cols)
+            # u == 0 gives -inf noise, and that token loses: fine (probability 2^-24 per token).
+            gumbel = -tl.log(-tl.log(u))
+            key = tl.where(inv_t > 0, x * inv_t + gumbel, x)
+            key = tl.where(cols < vocab, key, float("-inf"))
+            tile_best = tl.max(key, 0)
+            tile_id = tl.argmax(key, 0).to(tl.int32) + start
+            better = tile_best > best
+            best_id = tl.where(better, tile_id, best_id)
+            best = tl.where(better, tile_best, best)
+        tl.store(out + row, best_id.to(tl.int64))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """One token id per row of ``logits`` [S, V] (any float dtype): a draw from
+    softmax(logits * inv_temperature) keyed by ``seeds`` (int64 [S]), or the argmax where
+    ``inv_temperature`` is 0."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("the logits' last dimension must be contiguous")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _gumbel_argmax_kernel[(rows,)](
+            logits, logits.stride(0), inv_temperature, seeds, out, vocab, BLOCK=_BLOCK
+        )
+    return out
