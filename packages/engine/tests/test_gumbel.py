@@ -64,17 +64,18 @@ def test_greedy_rows_and_seeds():
     assert not torch.equal(other[1::2], first[1::2])
 
 
-def test_a_seeded_request_draws_the_same_tokens_in_any_batch_on_cuda():
-    if DEVICE != "cuda":
-        pytest.skip("the sampler takes the fused pass on CUDA only")
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(monkeypatch):
+    from nano_engine import gumbel
     from nano_engine.sampler import Sampler
     from nano_scheduler import SamplingParams, Sequence
 
+    if DEVICE == "cpu":  # the interpreter runs the fused pass on the CPU
+        monkeypatch.setattr(gumbel, "available", lambda device: True)
     vocab = 1000
-    sampler = Sampler(torch.device("cuda"), vocab)
+    sampler = Sampler(torch.device(DEVICE), vocab)
     assert sampler.fused
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, vocab, generator=g).cuda()
+    logits = torch.randn(5, vocab, generator=g).to(DEVICE)  # row 0 is the seeded request's
     seeded = SamplingParams(temperature=1.0, seed=42)
     others = [
         SamplingParams(temperature=0.8, top_p=0.9),  # filtered: the torch path
@@ -87,7 +88,8 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch_on_cuda():
         out = []
         for _ in range(8):
             batch = sampler.prepare(seqs)
-            rows = logits[: len(params)].clone()
+            rows = logits[1 : len(params) + 1].clone()
+            rows[row] = logits[0]
             tokens, _ = sampler(rows, batch)
             for seq, token in zip(seqs, tokens):
                 seq.token_ids.append(token)
