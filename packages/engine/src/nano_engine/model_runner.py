@@ -201,8 +201,8 @@ class ModelRunner:
             probs.sort(dim=-1, descending=True)
             del probs
         del logits
-        # The longest single prompt chunk too: kernels pick their tiles by the longest query,
-        # and compiling those in the middle of serving would stall a step for ~0.5 s.
+        # The longest single prompt chunk too, so that nothing a long prompt needs (kernel
+        # variants, allocations) is first compiled or allocated in the middle of serving.
         longest = max(1, min(tokens, self.max_model_len - 1))
         count = -(-longest // self.block_size)
         self.execute(
