@@ -6,6 +6,7 @@
 #   (modes combine with commas: tests,serve)
 #   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark; first run
 #   scripts/fetch_server_wheels.sh here and carry .whl/, and the trace in .exp/)
+#   scripts/gpu_check.sh install   (only the install, before one's own commands)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
