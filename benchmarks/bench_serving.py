@@ -180,7 +180,7 @@ def main() -> None:
         help="cap prompt and output lengths (small test models)",
     )
     parser.add_argument("--vocab", type=int, default=10_000, help="prompt ids below this")
-    parser.add_argument("--max-connections", type=int, default=1024)
+    parser.add_argument("--max-connections", type=int, default=1024, help="per client process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=4, help="client processes")
     parser.add_argument("--json", type=Path)

@@ -100,3 +100,30 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(monkeypatch):
     assert draws([*others, seeded], 3) == alone
     assert draws([others[0], seeded], 1) == alone
     assert len(set(alone)) > 1
+
+
+def test_the_fused_pass_sees_min_tokens_masks_and_penalties(monkeypatch):
+    from nano_engine import gumbel
+    from nano_engine.sampler import Sampler
+    from nano_scheduler import SamplingParams, Sequence
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(gumbel, "available", lambda device: True)
+    vocab = 64
+    sampler = Sampler(torch.device(DEVICE), vocab)
+    logits = torch.zeros(2, vocab, device=DEVICE)
+    logits[:, 7] = 30.0  # the stop token: always drawn at temperature 0.2 ...
+    logits[:, 9] = 25.0  # ... unless masked or penalized below this one
+    params = [
+        SamplingParams(temperature=0.2, min_tokens=3),  # 7 masked until 3 tokens exist
+        # 7 seen 5 times: 30 - 2 - 2 * 5 = 18 < 25
+        SamplingParams(temperature=0.2, presence_penalty=2.0, frequency_penalty=2.0),
+    ]
+    seqs = [Sequence(0, [1, 2], params[0]), Sequence(1, [1, 2], params[1])]
+    seqs[0].stop_token_ids = frozenset({7})
+    seqs[1].token_ids += [7] * 5
+    for _ in range(20):
+        tokens, _ = sampler(logits.clone(), sampler.prepare(seqs))
+        assert tokens == [9, 9]
+    plain = [Sequence(i, [1, 2], SamplingParams(temperature=0.2)) for i in range(2)]
+    assert sampler(logits.clone(), sampler.prepare(plain))[0] == [7, 7]

@@ -104,6 +104,7 @@ PREFILL_CASES = [
     (1, 8, 2, 64, [(20, 0), (7, 9)]),
     (64, 8, 1, 128, [(130, 70), (3, 0)]),
     (256, 4, 4, 64, [(100, 300)]),
+    (16, 4, 2, 96, [(150, 70), (9, 0)]),  # head_dim below its power of two: masked loads
 ]
 if not INTERPRET:
     PREFILL_CASES += [
@@ -176,6 +177,8 @@ def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
 
     from nano_kvcache.attention import paged_decode, paged_prefill
 
+    if not hasattr(triton, "knobs"):
+        pytest.skip("the compile hook needs Triton >= 3.4")
     compiled = []
     monkeypatch.setattr(
         triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: compiled.append(k.get("repr"))

@@ -310,7 +310,9 @@ class LLMEngine:
             return
         for seq in request.seqs:
             self.scheduler.abort(seq.seq_id)
-        request.stream.put(self._output(request, range(len(request.seqs)), time.monotonic()))
+        self._deliver(
+            [(request, self._output(request, range(len(request.seqs)), time.monotonic()))]
+        )
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -342,7 +344,7 @@ class LLMEngine:
                     request.stop_reasons[index] = token
         now = time.monotonic()
         outputs = [(r, self._output(r, indices, now)) for r, indices in touched.values()]
-        publish((r.stream, out) for r, out in outputs if out is not None)
+        self._deliver([(r, o) for r, o in outputs if o is not None])
         if not out.is_empty:
             end = time.perf_counter()
             host, device = launched - start + end - sampled, sampled - launched
@@ -357,8 +359,7 @@ class LLMEngine:
         return request, index
 
     def _output(self, request: _Request, indices, now: float) -> RequestOutput | None:
-        """What is new in these sequences of a request (None: nothing to send yet); retires
-        the request once all its sequences finished."""
+        """What is new in these sequences of a request (None: nothing to send yet)."""
         if not request.stream_deltas:
             if not all(s.is_finished for s in request.seqs):
                 return None
@@ -395,9 +396,6 @@ class LLMEngine:
             "first_token_time": first or 0.0,
             "last_token_time": now,
         }
-        if finished:
-            with self._cond:
-                self._requests.pop(request.request_id, None)
         cached = request.seqs[0].num_cached_tokens if not finished else 0
         return RequestOutput(
             request.request_id,
@@ -409,12 +407,23 @@ class LLMEngine:
             metrics,
         )
 
+    def _deliver(self, outputs: list[tuple[_Request, RequestOutput]]) -> None:
+        """Publish, then retire the finished requests (until then a failure still reaches
+        them through ``_fail``)."""
+        publish((request.stream, out) for request, out in outputs)
+        with self._cond:
+            for request, out in outputs:
+                if out.finished:
+                    self._requests.pop(request.request_id, None)
+
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             self.error = error
             requests = list(self._requests.values())
             self._requests.clear()
-        if not isinstance(error, EngineDeadError) or "shut down" not in str(error):
+        if not isinstance(error, EngineDeadError):
+            log.error("the engine stopped: %s", error, exc_info=error)
+        elif "shut down" not in str(error):
             log.error("the engine stopped: %s", error)
         publish((r.stream, EngineDeadError(f"the engine stopped: {error}")) for r in requests)
 
@@ -480,10 +489,12 @@ class StepStats:
 
 class StatsLog:
     """One INFO line every ``interval`` seconds while the engine works (as vLLM logs): prompt
-    and generation throughput, step time and its host share, queues, KV usage, preemptions."""
+    and generation throughput, step time and its host share, queues, KV usage, and the
+    preemptions of the interval."""
 
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
+        self.preemptions = 0
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -491,12 +502,14 @@ class StatsLog:
         self.host = self.device = 0.0
 
     def record(self, out, host: float, device: float, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        if self.steps == 0 and now - self.start > self.interval + host + device:
+            self.start = now - host - device  # the first step after an idle time: start here
         self.steps += 1
         self.prompt += sum(c.num_tokens for c in out.prefills)
         self.generated += len(out.sampling_seqs)
         self.host += host
         self.device += device
-        now = time.monotonic()
         if now - self.start < self.interval:
             return
         if log.isEnabledFor(logging.INFO):
@@ -512,8 +525,9 @@ class StatsLog:
                 s.num_running,
                 s.num_waiting,
                 100 * s.kv_usage,
-                s.num_preemptions,
+                s.num_preemptions - self.preemptions,
             )
+            self.preemptions = s.num_preemptions
         self._reset(now)
 
 

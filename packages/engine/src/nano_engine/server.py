@@ -223,7 +223,9 @@ class Server:
                 if all(stream.finished for stream in streams):
                     return
                 if gone.done():
-                    raise ConnectionAbortedError
+                    raise ConnectionAbortedError from (
+                        None if gone.cancelled() else gone.exception()
+                    )
                 await wake.wait()
                 wake.clear()
         finally:
@@ -450,10 +452,13 @@ class Server:
 
 
 async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
-    """Return once the client has gone (the server sends ``http.disconnect``; no polling)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-    wake.set()
+    """Return once the client has gone (the server sends ``http.disconnect``; no polling).
+    A failure to listen counts as gone."""
+    try:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+    finally:
+        wake.set()
 
 
 def _event_error(status: int, message: str, kind: str) -> str:

@@ -88,15 +88,17 @@ def publish(items: Iterable[tuple[RequestStream, RequestOutput | BaseException]]
     """Append outputs to their streams, waking each asyncio loop once for all of them (one
     wake-up per stream and step would cost the loop more than the outputs themselves)."""
     wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
-    for stream, item in items:
-        waker = stream._append(item)
-        if waker is not None:
-            wake.setdefault(waker[0], []).append(waker[1])
-        if stream._notify is not None:
-            stream._notify(stream)
-    for loop, events in wake.items():
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting there
-            loop.call_soon_threadsafe(_set_all, events)
+    try:
+        for stream, item in items:
+            waker = stream._append(item)
+            if waker is not None:
+                wake.setdefault(waker[0], []).append(waker[1])
+            if stream._notify is not None:
+                stream._notify(stream)
+    finally:  # what was appended is read, even if a notify callback failed
+        for loop, events in wake.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting there
+                loop.call_soon_threadsafe(_set_all, events)
 
 
 def _set_all(events: list[asyncio.Event]) -> None:

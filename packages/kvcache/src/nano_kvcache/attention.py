@@ -13,6 +13,8 @@ Both accumulate in fp32 with an online softmax (base-2 exponentials).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -64,14 +66,19 @@ def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-# Triton compiles a variant per 16-byte alignment of every pointer and divisibility of every
-# int. In a mixed batch the decode metadata are slices at any offset (seq_lens[num_prefills:])
-# and the block-table width follows the batch: without these exemptions each new combination
-# would compile a kernel (~0.5 s) in the middle of serving. Scalar loads gain nothing from it.
-_METADATA = ["block_tables", "seq_lens", "query_start_loc"]
+def _metadata_jit(pointers: list[str]):
+    """``triton.jit`` without specializations on the step metadata. Triton compiles a variant
+    per 16-byte alignment of every pointer and divisibility of every int; in a mixed batch the
+    decode metadata are slices at any offset (seq_lens[num_prefills:]) and the block-table width
+    follows the batch, so each new combination would compile a kernel (~0.5 s) in the middle of
+    serving. Scalar loads gain nothing from it. (Alignment exemptions need Triton >= 3.2.)"""
+    options = {"do_not_specialize": ["stride_bt"]}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = pointers
+    return triton.jit(**options)
 
 
-@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_METADATA[:2])
+@_metadata_jit(["block_tables", "seq_lens"])
 def _decode_kernel(
     q_ptr,
     k_cache,
@@ -286,7 +293,7 @@ def paged_decode(
     return out
 
 
-@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=_METADATA)
+@_metadata_jit(["block_tables", "seq_lens", "query_start_loc"])
 def _prefill_kernel(
     q_ptr,
     k_cache,
