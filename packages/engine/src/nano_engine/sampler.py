@@ -86,9 +86,7 @@ class Sampler:
             rows.append([p.min_p for p in params])
         if self.fused:
             rows.append([0.0 if g else 1 / p.temperature for p, g in zip(params, greedy)])
-            # Seeds only where the fused pass draws: greedy and filtered rows ignore theirs.
-            seeds = zip(seqs, greedy, filtered)
-            rows.append([0.0 if g or f else float(self._seed(seq)) for seq, g, f in seeds])
+            rows.append([float(self._seed(seq)) for seq in seqs])
             rows.append([float(f) for f in filtered])
         packed = iter(torch.tensor(rows, dtype=torch.float64).to(self.device).unbind(0))
         batch = SamplingBatch(
