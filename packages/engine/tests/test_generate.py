@@ -1,6 +1,7 @@
 """Greedy outputs of LLM.generate equal transformers' generate, token for token, on tiny random
 Qwen3, Qwen2 and Llama checkpoints: with prefix caching on and off, with chunked prefill forced
-by a small token budget, and with a KV pool so small that sequences are preempted."""
+by a small token budget, with a KV pool so small that sequences are preempted, and without
+async scheduling (each step's tokens read before the next step is scheduled)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ MODES = {
     "no-prefix-caching": {"kvcache_block_size": 16, "enable_prefix_caching": False},
     "chunked-prefill": {"kvcache_block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
     "preemption": {"kvcache_block_size": 4, "num_kvcache_blocks": 40, "max_model_len": 128},
+    "sync-scheduling": {"kvcache_block_size": 4, "async_scheduling": False},
 }
 
 

@@ -79,3 +79,22 @@ def test_bf16_top5_logprobs_are_close_to_transformers(checkpoints):
                 break
             assert abs(lp.logprob - hf_top[hf_token]) < 0.1
     assert compared >= 8 * 4
+
+
+def test_async_scheduling_never_waits_for_the_device_in_the_step_path(checkpoints):
+    """Async scheduling hides the host's work only if nothing between two token reads waits for
+    the device: with CUDA's sync debug mode set to error, a synchronizing call anywhere in the
+    step loop (a blocking copy, .item(), .tolist() of a device tensor) kills the engine. The
+    tokens are read through an event, which the mode allows."""
+    path = checkpoints("qwen3", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=24, ignore_eos=True)
+    with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
+        assert llm.engine.async_scheduling
+        llm.generate(sample_prompts(), params, use_tqdm=False)  # warm-up
+        expected = llm.generate(sample_prompts(), params, use_tqdm=False)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = llm.generate(sample_prompts(), params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]

@@ -199,6 +199,37 @@ def test_bad_engine_configuration(checkpoints, tmp_path):
         LLM(path, max_num_seqs=0)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         LLM(path, max_model_len=10**6)
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
+        LLM(path, async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_async_and_sync_scheduling_give_the_same_outputs(checkpoints):
+    """Seeded sampling with stop strings, eos, min_tokens, penalties and logprobs: the tokens,
+    texts, finish and stop reasons and logprobs do not depend on async scheduling (which finds
+    a stop one step late and discards the step's extra token)."""
+    prompts = ["The first prompt", "Another one, longer than the first", "Short", "Fourth"]
+    params = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=30, stop=["e"], logprobs=2),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=25, min_tokens=5),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=18, top_k=20, ignore_eos=True),
+    ]
+    results = []
+    for async_scheduling in (False, True):
+        path = checkpoints("qwen3")
+        with LLM(path, kvcache_block_size=4, async_scheduling=async_scheduling) as llm:
+            assert llm.engine.async_scheduling is async_scheduling
+            outs = llm.generate(prompts * 2, params * 2, use_tqdm=False)
+            assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        results.append(
+            [
+                (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
+                for o in outs
+                for c in o.outputs
+            ]
+        )
+    assert {r[2] for r in results[0]} == {"stop", "length"}
+    assert results[0] == results[1]
 
 
 def test_shutdown_fails_new_requests(checkpoints):

@@ -6,7 +6,14 @@ from __future__ import annotations
 import zlib
 
 from nano_kvcache import BlockManager
-from nano_scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from nano_scheduler import (
+    PENDING_TOKEN,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+)
 
 VOCAB = 50
 
@@ -26,19 +33,49 @@ def seq(seq_id: int, prompt, max_tokens: int = 4, **params) -> Sequence:
     return Sequence(seq_id, list(prompt), SamplingParams(max_tokens=max_tokens, **params))
 
 
-def run_model(sched: Scheduler, out) -> None:
+def run_model(sched: Scheduler, out, pending: dict[int, int] | None = None) -> None:
     """Store the KV of every scheduled token, then check that each sequence's whole context is
-    in its blocks and was computed for its own tokens (what attention would read)."""
+    in its blocks and was computed for its own tokens (what attention would read). ``pending``:
+    the tokens of the step in flight, by seq_id, that stand behind placeholders."""
     kv, bs = sched.fake_kv, sched.block_manager.block_size
     work = [(c.seq, c.start, c.num_tokens) for c in out.prefills]
     work += [(s, s.num_tokens - 1, 1) for s in out.decodes]
     for seq, start, n in work:
+        tokens = history(seq, pending)
         for pos in range(start, start + n):
-            kv[seq.block_table[pos // bs], pos % bs] = tuple(seq.token_ids[: pos + 1])
+            kv[seq.block_table[pos // bs], pos % bs] = tuple(tokens[: pos + 1])
     for seq, start, n in work:
+        tokens = history(seq, pending)
         for pos in range(start + n):
             slot = seq.block_table[pos // bs], pos % bs
-            assert kv.get(slot) == tuple(seq.token_ids[: pos + 1]), (seq, pos)
+            assert kv.get(slot) == tuple(tokens[: pos + 1]), (seq, pos)
+
+
+def history(seq: Sequence, pending: dict[int, int] | None) -> list[int]:
+    """The sequence's tokens as the model sees them: a placeholder is the token behind it."""
+    if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+        return [*seq.token_ids[:-1], pending[seq.seq_id]]
+    return seq.token_ids
+
+
+def run_pipelined(sched: Scheduler, max_steps: int = 10_000) -> int:
+    """Async scheduling: each step is scheduled and run before the previous step's tokens are
+    resolved (``advance`` right after the run, ``resolve`` one step later)."""
+    in_flight, steps = None, 0
+    while sched.has_unfinished() or in_flight:
+        out = sched.schedule() if sched.has_unfinished() else SchedulerOutput()
+        tokens_behind = in_flight[2] if in_flight else None
+        run_model(sched, out, tokens_behind)
+        sampled = [next_token(history(s, tokens_behind)) for s in out.sampling_seqs]
+        if in_flight:
+            sched.resolve(in_flight[0], in_flight[1], out if not out.is_empty else None)
+        in_flight = None
+        if not out.is_empty:
+            by_seq = {s.seq_id: t for s, t in zip(out.sampling_seqs, sampled)}
+            in_flight = (sched.advance(out), sampled, by_seq)
+        steps += 1
+        assert steps < max_steps, "the scheduler does not make progress"
+    return steps
 
 
 def step(sched: Scheduler, tokens: dict[int, int] | None = None):

@@ -29,7 +29,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or bool in typing.get_args(hint):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             kind = next(

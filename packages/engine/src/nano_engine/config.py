@@ -19,7 +19,9 @@ class EngineConfig:
     alone, or the path of that file). tokenizer: default the model directory. max_model_len:
     default and cap the model's max_position_embeddings. KV cache: on CUDA, sized from
     gpu_memory_utilization after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb
-    (default 1); num_kvcache_blocks overrides both.
+    (default 1); num_kvcache_blocks overrides both. async_scheduling: schedule and launch each
+    step while the previous one runs (its sampled tokens feed the next step on the device);
+    default on, except with tensor parallelism, which does not support it.
     """
 
     model: str
@@ -42,6 +44,7 @@ class EngineConfig:
     scheduling_policy: str = "decode_first"
     attention_backend: str = "auto"
     device: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -82,6 +85,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 yield f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            yield "async_scheduling needs tensor_parallel_size 1"
         if not isinstance(self.seed, int):
             yield f"seed must be an integer, got {self.seed!r}"
 
@@ -92,6 +97,12 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=str(model), **kwargs)
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self.tensor_parallel_size == 1
+        return self.async_scheduling
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -24,15 +24,17 @@ from nano_engine.detokenizer import IncrementalDetokenizer
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.parallel import Workers, init_group
-from nano_engine.sampler import Sampler
+from nano_engine.sampler import SampledTokens, Sampler
 from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
     FinishReason,
+    PendingStep,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
     Sequence,
 )
 
@@ -53,6 +55,17 @@ class _Request:
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[list[Logprob]] = field(default_factory=list)
     stream_deltas: bool = True  # False: one output, when the request finishes
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been read yet."""
+
+    sampled: SampledTokens
+    pending: PendingStep
+    rows: dict[int, int]  # seq_id -> row of its token in ``sampled``
+    launched: float
+    shape: dict | None  # its step-log entry, when recording
 
 
 def load_tokenizer(config: EngineConfig):
@@ -137,6 +150,9 @@ class LLMEngine:
         self.stats = StepStats()
         self.stats_log = StatsLog()
         self.step_log: list[dict] | None = None  # batch shapes and times, when recording
+        self.async_scheduling = config.use_async_scheduling
+        self._in_flight: _InFlight | None = None
+        self._last_arrival = 0.0
         self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
         self._thread.start()
         if self.workers is not None:
@@ -273,12 +289,19 @@ class LLMEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stopping or self.scheduler.has_unfinished()):
+                    while not (
+                        self._inbox
+                        or self._stopping
+                        or self.scheduler.has_unfinished()
+                        or self._in_flight is not None
+                    ):
                         self._cond.wait()
                     if self._stopping:
                         break
                     commands = list(self._inbox)
                     self._inbox.clear()
+                if self._in_flight is not None and any(kind == "abort" for kind, _ in commands):
+                    self._step(schedule=False)  # an aborted request's last output is whole
                 for kind, payload in commands:
                     if kind == "add":
                         for index, seq in enumerate(payload.seqs):
@@ -286,7 +309,7 @@ class LLMEngine:
                             self.scheduler.add(seq)
                     else:
                         self._abort(payload)
-                if self.scheduler.has_unfinished():
+                if self.scheduler.has_unfinished() or self._in_flight is not None:
                     self._step()
         except BaseException as e:
             self._fail(self._worker_death() or e)
@@ -314,44 +337,79 @@ class LLMEngine:
             [(request, self._output(request, range(len(request.seqs)), time.monotonic()))]
         )
 
-    def _step(self) -> None:
+    def _step(self, schedule: bool = True) -> None:
+        """Schedule and launch a step, then read the previous step's tokens while it runs
+        (async scheduling; without it, this step's own tokens). ``schedule=False`` only
+        finishes the step in flight."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
+        out = SchedulerOutput()
+        if schedule and self.scheduler.has_unfinished():
+            out = self.scheduler.schedule()
         touched: dict[str, tuple[_Request, set[int]]] = {}
         for seq in out.finished:
             self._touch(touched, seq)
+        waited = 0.0
         if not out.is_empty:
-            step = StepInput.of(out)
-            if self.step_log is not None:
-                self.step_log.append(_shape(out))
+            step = StepInput.of(out, previous.rows if previous else None)
             if self.workers is not None:
                 self.workers.send(step)
+            logits = self.runner.execute(step, previous.sampled.tokens if previous else None)
             launched = time.perf_counter()
-            logits = self.runner.execute(step)
-            seqs = out.sampling_seqs
-            tokens, logprobs = self.sampler(logits, self.sampler.prepare(seqs))
-            sampled = time.perf_counter()  # tokens are on the host: the device is done
-            self.scheduler.update(out, tokens)
-            for seq, token, logprob in zip(seqs, tokens, logprobs):
-                request, index = self._touch(touched, seq)
-                if logprob is not None:
-                    request.logprobs[index].append(logprob)
-                detok = request.detokenizers[index]
-                if detok is not None and detok.add(token) and not seq.is_finished:
-                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
-                    request.stop_reasons[index] = detok.stop_reason
-                elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
-                    request.stop_reasons[index] = token
+        if previous is not None:
+            waited += self._resolve(previous, out if not out.is_empty else None, touched)
         now = time.monotonic()
         outputs = [(r, self._output(r, indices, now)) for r, indices in touched.values()]
+        if not out.is_empty:
+            seqs = out.sampling_seqs
+            shape = _shape(out) if self.step_log is not None else None
+            sampled = self.sampler.sample(logits, self.sampler.prepare(seqs))
+            current = _InFlight(
+                sampled,
+                self.scheduler.advance(out),
+                {seq.seq_id: row for row, seq in enumerate(seqs)},
+                launched,
+                shape,
+            )
+            if self.async_scheduling:
+                self._in_flight = current
+            else:
+                touched = {}
+                waited += self._resolve(current, None, touched)
+                now = time.monotonic()
+                outputs += [(r, self._output(r, indices, now)) for r, indices in touched.values()]
         self._deliver([(r, o) for r, o in outputs if o is not None])
         if not out.is_empty:
-            end = time.perf_counter()
-            host, device = launched - start + end - sampled, sampled - launched
-            self.stats.record(host, device, out.num_batched_tokens)
-            self.stats_log.record(out, host, device, self.scheduler)
-            if self.step_log is not None:
-                self.step_log[-1]["seconds"] = sampled - launched
+            elapsed = time.perf_counter() - start
+            self.stats.record(elapsed - waited, waited, out.num_batched_tokens)
+            self.stats_log.record(out, elapsed - waited, waited, self.scheduler)
+
+    def _resolve(self, step: _InFlight, next_out: SchedulerOutput | None, touched) -> float:
+        """Wait for a launched step's tokens and record them: the scheduler's placeholders,
+        logprobs, detokenization and stop strings. Returns the seconds spent waiting."""
+        wait = time.perf_counter()
+        tokens, logprobs = step.sampled.result()
+        arrived = time.perf_counter()
+        if step.shape is not None and self.step_log is not None:
+            # The device's time for the step: since its launch, or since the previous step's
+            # tokens arrived if it queued behind that step.
+            step.shape["seconds"] = arrived - max(step.launched, self._last_arrival)
+            self.step_log.append(step.shape)
+        self._last_arrival = arrived
+        for seq in self.scheduler.resolve(step.pending, tokens, next_out):
+            self._touch(touched, seq)
+        for row, seq, _ in step.pending.slots:
+            token, logprob = tokens[row], logprobs[row]
+            request, index = self._touch(touched, seq)
+            if logprob is not None:
+                request.logprobs[index].append(logprob)
+            detok = request.detokenizers[index]
+            if detok is not None and detok.add(token) and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+                request.stop_reasons[index] = detok.stop_reason
+            elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
+                request.stop_reasons[index] = token
+        return arrived - wait
 
     def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
         request, index = self._seq_owner[seq.seq_id]

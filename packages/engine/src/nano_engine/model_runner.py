@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ from nano_models.compile import compile_layers
 from nano_models.config import DTYPES
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
-from nano_scheduler import SchedulerOutput
+from nano_scheduler import PENDING_TOKEN, SchedulerOutput
 
 log = logging.getLogger("nano_engine")
 
@@ -37,10 +37,17 @@ class StepInput:
     block_tables: list[list[int]]
     num_prefills: int
     logits_rows: list[int]  # rows of the hidden states that are sampled
+    # Inputs still being sampled by the previous step (async scheduling): input_ids[position]
+    # is that step's sampled token of row ``row``.
+    pending_positions: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> StepInput:
+    def of(cls, out: SchedulerOutput, previous_rows: dict[int, int] | None = None) -> StepInput:
+        """The step's inputs; ``previous_rows`` maps the seq_id of each sequence whose last token
+        is still a placeholder to its row in the previous step's sampled tokens."""
         ids, query_lens, seq_lens, tables, rows = [], [], [], [], []
+        positions, pending_rows = [], []
         for chunk in out.prefills:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
             ids += seq.token_ids[chunk.start : end]
@@ -49,15 +56,24 @@ class StepInput:
             tables.append(seq.block_table)
             if chunk.samples:
                 rows.append(len(ids) - 1)
+                if ids[-1] == PENDING_TOKEN:  # a preempted sequence, back before its token
+                    positions.append(len(ids) - 1)
+                    pending_rows.append(previous_rows[seq.seq_id])
         first = len(ids)
         for seq in out.decodes:
-            ids.append(seq.token_ids[-1])
+            token = seq.token_ids[-1]
+            if token == PENDING_TOKEN:
+                positions.append(len(ids))
+                pending_rows.append(previous_rows[seq.seq_id])
+            ids.append(token)
             seq_lens.append(len(seq.token_ids))
             tables.append(seq.block_table)
         num_decodes = len(out.decodes)
         query_lens += [1] * num_decodes
         rows += range(first, first + num_decodes)
-        return cls(ids, query_lens, seq_lens, tables, len(out.prefills), rows)
+        return cls(
+            ids, query_lens, seq_lens, tables, len(out.prefills), rows, positions, pending_rows
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -253,8 +269,9 @@ class ModelRunner:
 
     # ---- a step ------------------------------------------------------------------------------
 
-    def tensors(self, step: StepInput):
-        """Device tensors of a step: input ids, positions and the ForwardContext."""
+    def tensors(self, step: StepInput, previous: torch.Tensor | None = None):
+        """Device tensors of a step: input ids, positions and the ForwardContext. ``previous``:
+        the previous step's sampled tokens, where ``step`` has pending inputs."""
         num_seqs = len(step.query_lens)
         qsl = [0]
         for n in step.query_lens:
@@ -266,16 +283,26 @@ class ModelRunner:
         flat.extend(step.seq_lens)
         flat.extend([length - n for length, n in zip(step.seq_lens, step.query_lens)])
         flat.extend(step.logits_rows)
+        flat.extend(step.pending_positions)
+        flat.extend(step.pending_rows)
         pad = array("i", [-1]) * width
         for table in step.block_tables:
             flat.extend(table)
             flat.extend(pad[len(table) :])
         packed = torch.frombuffer(flat, dtype=torch.int32)
-        packed = packed.to(self.device) if self.device.type == "cuda" else packed.clone()
-        t = len(step.input_ids)
-        sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows), num_seqs * width]
-        ids, qsl_t, lens_t, start_t, rows_t, tables_t = packed.split(sizes)
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the running step
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = packed.clone()
+        t, num_pending = len(step.input_ids), len(step.pending_rows)
+        sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows)]
+        sizes += [num_pending, num_pending, num_seqs * width]
+        ids, qsl_t, lens_t, start_t, rows_t, pos_t, prev_t, tables_t = packed.split(sizes)
         tables_t = tables_t.view(num_seqs, width)
+        if num_pending:
+            if previous is None:
+                raise ValueError("the step has pending inputs but no previous sampled tokens")
+            ids[pos_t.long()] = previous[prev_t.long()].to(ids.dtype)
         slots, positions = ops.compute_slot_mapping(tables_t, qsl_t, start_t, self.block_size, t)
         ctx = ForwardContext(
             num_prefills=step.num_prefills,
@@ -294,12 +321,13 @@ class ModelRunner:
         return ids, positions, ctx
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Run the model on a step; the logits of its sampled rows (rank 0; None elsewhere)."""
+    def execute(self, step: StepInput, previous: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the model on a step; the logits of its sampled rows (rank 0; None elsewhere).
+        ``previous``: the previous step's sampled tokens [S] on the device (async scheduling)."""
         if self.graphs is not None and step.num_prefills == 0 and self.graphs.fits(step):
-            hidden, ctx = self.graphs.run(step)
+            hidden, ctx = self.graphs.run(step, previous)
         else:
-            ids, positions, ctx = self.tensors(step)
+            ids, positions, ctx = self.tensors(step, previous)
             hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden, ctx)
 
@@ -367,10 +395,12 @@ class DecodeGraphs:
     def fits(self, step: StepInput) -> bool:
         return len(step.query_lens) <= self.sizes[-1]
 
-    def run(self, step: StepInput) -> tuple[torch.Tensor, ForwardContext]:
+    def run(
+        self, step: StepInput, previous: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ForwardContext]:
         batch = len(step.query_lens)
         size = next(s for s in self.sizes if s >= batch)
-        ids, positions, ctx = self.runner.tensors(step)
+        ids, positions, ctx = self.runner.tensors(step, previous)
         self.ids[:batch].copy_(ids)
         self.positions[:batch].copy_(positions)
         self.slots[:batch].copy_(ctx.slot_mapping)

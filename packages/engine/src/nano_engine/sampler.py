@@ -88,7 +88,10 @@ class Sampler:
             rows.append([0.0 if g else 1 / p.temperature for p, g in zip(params, greedy)])
             rows.append([float(self._seed(seq)) for seq in seqs])
             rows.append([float(f) for f in filtered])
-        packed = iter(torch.tensor(rows, dtype=torch.float64).to(self.device).unbind(0))
+        packed = torch.tensor(rows, dtype=torch.float64)
+        if self.device.type == "cuda":  # no wait for the step the device is running
+            packed = packed.pin_memory()
+        packed = iter(packed.to(self.device, non_blocking=True).unbind(0))
         batch = SamplingBatch(
             temperature=next(packed).float(),
             greedy=next(packed) > 0,
@@ -141,11 +144,15 @@ class Sampler:
             return self._rng.getrandbits(53)
         return hash((seq.params.seed, seq.num_output_tokens)) & ((1 << 53) - 1)
 
-    @torch.no_grad()
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[Logprob | None]]:
         """logits [S, V] -> one token id per row, and the requested log-probabilities."""
+        return self.sample(logits, batch).result()
+
+    @torch.inference_mode()  # the logits are the runner's inference tensors
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """Draw a token per row of logits [S, V] on the device; ``result()`` brings them over."""
         want_logprobs = any(k is not None for k in batch.logprobs)
         fused_only = batch.seeds is not None and batch.num_filtered == 0
         if not fused_only or want_logprobs or batch.masks or batch.penalties is not None:
@@ -162,10 +169,14 @@ class Sampler:
             if batch.seeds is not None:  # some rows have filters: the rest take the fused pass
                 fused = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds)
                 tokens = torch.where(batch.filtered, tokens, fused)
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return token_list, [None] * len(token_list)
-        return token_list, self._logprobs(raw_logprobs, tokens, token_list, batch.logprobs)
+            return SampledTokens(tokens, batch.logprobs)
+        k = max(w for w in batch.logprobs if w is not None)
+        chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
+        top = (
+            raw_logprobs.topk(k, dim=-1) if k else (chosen[:, None][:, :0], tokens[:, None][:, :0])
+        )
+        return SampledTokens(tokens, batch.logprobs, (chosen, *top))
 
     def _torch_sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
@@ -210,19 +221,39 @@ class Sampler:
             noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], wanted: list[int | None]
-    ) -> list[Logprob | None]:
-        k = max(w for w in wanted if w is not None)
-        chosen = raw.gather(-1, tokens[:, None])[:, 0].tolist()
-        top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], tokens[:, None][:, :0])
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+
+class SampledTokens:
+    """One step's draws. On CUDA their copy to pinned host memory is queued behind the draw,
+    so the host can schedule and launch the next step before reading them."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        wanted: list[int | None],
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.tokens = tokens  # [S] int64, on the device: the next step's inputs
+        self._wanted = wanted
+        self._host = [tokens] if logprobs is None else [tokens, *logprobs]
+        self._ready = None
+        if tokens.is_cuda:
+            self._host = [t.to("cpu", non_blocking=True) for t in self._host]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> tuple[list[int], list[Logprob | None]]:
+        """The token ids, and a ``Logprob`` per row that asked for them (waits for the device)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_list = self._host[0].tolist()
+        if len(self._host) == 1:
+            return token_list, [None] * len(token_list)
+        chosen, top_values, top_ids = (t.tolist() for t in self._host[1:])
         out: list[Logprob | None] = []
-        for row, w in enumerate(wanted):
+        for row, w in enumerate(self._wanted):
             if w is None:
                 out.append(None)
                 continue
             top = list(zip(top_ids[row][:w], top_values[row][:w]))
             out.append(Logprob(token_list[row], chosen[row], top))
-        return out
+        return token_list, out

@@ -285,16 +285,22 @@ class BlockManager:
         while first > 0 and blocks[table[first - 1]].hash == _NO_HASH:
             first -= 1
         for i in range(first, num_full):
-            self._register(seq, i)
+            if not self._register(seq, i):
+                break
 
-    def _register(self, seq: KVSequence, index: int) -> None:
-        """Key the index-th block of seq by its contents; its parent is registered already."""
+    def _register(self, seq: KVSequence, index: int) -> bool:
+        """Key the index-th block of seq by its contents; its parent is registered already.
+        A block holding a token not known yet (a negative id: a scheduler's placeholder for a
+        token still being sampled) stays out, and False says so; ``commit`` adds it later."""
         table, bs = seq.block_table, self.block_size
         block = self.blocks[table[index]]
         parent = self.blocks[table[index - 1]].hash if index else _NO_HASH
         chunk = seq.token_ids[index * bs : (index + 1) * bs]
+        if min(chunk) < 0:
+            return False
         block.parent_hash = parent
         block.hash = h = self.compute_hash(chunk, parent)
         block.token_ids = chunk
         # Identical contents computed twice (two same prompts admitted together): keep one key.
         self.hash_to_block.setdefault(h, block.block_id)
+        return True

@@ -3,11 +3,20 @@
 from nano_scheduler._version import __version__
 from nano_scheduler.config import SchedulerConfig
 from nano_scheduler.sampling_params import SamplingParams
-from nano_scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, SchedulerStats
+from nano_scheduler.scheduler import (
+    PENDING_TOKEN,
+    PendingStep,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from nano_scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = [
+    "PENDING_TOKEN",
     "FinishReason",
+    "PendingStep",
     "SamplingParams",
     "ScheduledChunk",
     "Scheduler",

@@ -3,6 +3,10 @@
 Each step, ``schedule()`` picks the sequences that run and how many tokens each computes; the
 model runs them; ``update()`` appends the sampled tokens and finishes sequences. The scheduler
 owns the sequences' blocks through a ``BlockManager`` and never touches tensors.
+
+Async scheduling splits ``update()`` in two: ``advance()`` right after a step is launched (each
+sampling sequence gets a placeholder token, so the next step can be scheduled while this one
+runs), then ``resolve()`` with the sampled tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from nano_scheduler.config import SchedulerConfig
 from nano_scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
+# The last token of a sequence whose step is in flight (async scheduling): a model input that
+# the runner takes from that step's sampled tokens on the device.
+PENDING_TOKEN = -1
 
 
 class ScheduledChunk(NamedTuple):
@@ -57,6 +64,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+
+class PendingStep(NamedTuple):
+    """A step whose sampled tokens are not known yet (``Scheduler.advance``)."""
+
+    output: SchedulerOutput
+    slots: list[tuple[int, Sequence, int]]  # (row of the sampled tokens, seq, index in token_ids)
+    finished: list[Sequence]  # while scheduling, and by length when advanced
 
 
 class SchedulerStats(NamedTuple):
@@ -278,42 +293,85 @@ class Scheduler:
         ``output.sampling_seqs``, in that order) and finish sequences that hit a stop condition.
         Sequences aborted since ``schedule`` are skipped. Returns the sequences this step
         finished, those finished while scheduling included."""
+        return self.resolve(self.advance(output), sampled_token_ids)
+
+    def advance(self, output: SchedulerOutput) -> PendingStep:
+        """Record a step whose sampled tokens are not known yet (async scheduling): computed
+        tokens advance, each sampling sequence gets a ``PENDING_TOKEN`` as its last token, and
+        those that reach their length limit finish. The next ``schedule()`` may run before
+        ``resolve`` fills the placeholders in."""
+        pending = PendingStep(output, [], list(output.finished))
+        row = 0
+        for seq, start, n, samples in output.prefills:
+            if seq.status is _RUNNING:
+                seq.num_computed_tokens = start + n
+                if samples:
+                    self._place(seq, row, pending)
+            row += samples
+        for seq in output.decodes:
+            if seq.status is _RUNNING:
+                seq.num_computed_tokens = len(seq.token_ids)
+                self._place(seq, row, pending)
+            row += 1
+        if len(pending.finished) > len(output.finished):
+            gone = {id(seq) for seq in pending.finished}
+            self.running = [seq for seq in self.running if id(seq) not in gone]
+        return pending
+
+    def _place(self, seq: Sequence, row: int, pending: PendingStep) -> None:
+        seq.token_ids.append(PENDING_TOKEN)
+        pending.slots.append((row, seq, len(seq.token_ids) - 1))
+        if len(seq.token_ids) >= seq.max_num_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+            pending.finished.append(seq)
+
+    def resolve(
+        self,
+        pending: PendingStep,
+        sampled_token_ids: Iterable[int],
+        next_output: SchedulerOutput | None = None,
+    ) -> list[Sequence]:
+        """Put an advanced step's sampled tokens (one per sequence of its ``sampling_seqs``, in
+        that order) in place of its placeholders and finish the sequences that hit a stop token.
+        ``next_output``, the step scheduled since (whose inputs the placeholders were), lets the
+        blocks these tokens filled join the prefix cache. Returns the sequences the step
+        finished, those finished while scheduling it included."""
+        output = pending.output
         tokens = list(sampled_token_ids)
         expected = sum(c.samples for c in output.prefills) + len(output.decodes)
         if len(tokens) != expected:
             raise ValueError(f"expected {expected} sampled tokens, got {len(tokens)}")
-        finished = list(output.finished)
+        finished = pending.finished
         now = self.clock()
-        t = 0
-        for seq, start, n, samples in output.prefills:
-            if seq.status is not _RUNNING:
-                t += samples
-                continue
-            seq.num_computed_tokens = start + n
-            if samples:
-                self._append(seq, tokens[t], now, finished)
-                t += 1
-        for seq, token in zip(output.decodes, tokens[t:]):
-            if seq.status is _RUNNING:
-                seq.num_computed_tokens = len(seq.token_ids)
-                self._append(seq, token, now, finished)
-        if len(finished) > len(output.finished):
-            gone = {id(seq) for seq in finished}
-            self.running = [seq for seq in self.running if id(seq) not in gone]
+        block_size = self.block_manager.block_size
+        scheduled: dict[int, int] | None = None
+        for row, seq, index in pending.slots:
+            token = tokens[row]
+            seq.token_ids[index] = token
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token in seq.stop_token_ids and (
+                index + 1 - seq.num_prompt_tokens >= seq.params.min_tokens
+            ):
+                if seq.seq_id in self._unfinished:
+                    self.finish(seq.seq_id, FinishReason.STOP)
+                    finished.append(seq)
+                elif seq.finish_reason is FinishReason.LENGTH and any(s is seq for s in finished):
+                    seq.finish_reason = FinishReason.STOP  # its last token was a stop token
+            elif next_output is not None and (index + 1) % block_size == 0 and seq.block_table:
+                # The block this token fills was left out of the prefix cache while the token was
+                # unknown: share it now if the next step writes its KV.
+                if scheduled is None:
+                    scheduled = _scheduled_ends(next_output)
+                end = scheduled.get(id(seq), 0)
+                if end > index:
+                    self.block_manager.commit(seq, end)
         return finished
 
-    def _append(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> None:
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if token in seq.stop_token_ids and (
-            len(token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens
-        ):
-            reason = FinishReason.STOP
-        elif len(token_ids) >= seq.max_num_tokens:
-            reason = FinishReason.LENGTH
-        else:
-            return
-        self._finish(seq, reason, now)
-        finished.append(seq)
+
+def _scheduled_ends(output: SchedulerOutput) -> dict[int, int]:
+    """id(seq) -> the number of its tokens whose KV is written by the end of this step."""
+    ends = {id(seq): len(seq.token_ids) for seq in output.decodes}
+    for seq, start, n, _ in output.prefills:
+        ends[id(seq)] = start + n
+    return ends
