@@ -25,7 +25,7 @@ pytestmark = [
         DEVICE == "cpu" and not INTERPRET, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"
     ),
 ]
-VOCAB = 5000  # two tiles of the kernel
+VOCAB = 5000  # two slices of the kernel, merged
 LIVE = {3: 0.0, 1000: 1.0, 4095: 2.0, 4096: 0.5, 4500: -1.0, 4999: 1.5}  # the rest is -inf
 
 

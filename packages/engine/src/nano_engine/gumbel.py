@@ -17,7 +17,8 @@ try:
 except ImportError:  # the sampler keeps its torch path
     triton = None
 
-_BLOCK = 4096
+_BLOCK = 2048
+_TILES = 2  # tiles per program: a row is split over ceil(vocab / 4096) programs
 
 
 def available(device: torch.device) -> bool:
@@ -32,20 +33,26 @@ if triton is not None:
         stride,
         inv_temperature,
         seeds,
-        out,
+        best_keys,
+        best_ids,
         vocab,
+        num_splits,
         BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
     ):
+        """The best key and its token over one slice of a row's vocabulary."""
         row = tl.program_id(0)
+        split = tl.program_id(1)
         inv_t = tl.load(inv_temperature + row)  # 0 marks a greedy row
         seed = tl.load(seeds + row)
         best = tl.full((), float("-inf"), tl.float32)
         best_id = tl.full((), 0, tl.int32)
-        for start in range(0, vocab, BLOCK):
+        for tile in range(TILES):
+            start = (split * TILES + tile) * BLOCK
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
             x = x.to(tl.float32)
-            u = tl.rand(seed, cols)
+            u = tl.rand(seed, cols)  # keyed by the column: the same noise for any split
             # u == 0 gives -inf noise, and that token loses: fine (probability 2^-24 per token).
             gumbel = -tl.log(-tl.log(u))
             key = tl.where(inv_t > 0, x * inv_t + gumbel, x)
@@ -55,7 +62,18 @@ if triton is not None:
             better = tile_best > best
             best_id = tl.where(better, tile_id, best_id)
             best = tl.where(better, tile_best, best)
-        tl.store(out + row, best_id.to(tl.int64))
+        tl.store(best_keys + row * num_splits + split, best)
+        tl.store(best_ids + row * num_splits + split, best_id)
+
+    @triton.jit
+    def _merge_kernel(best_keys, best_ids, out, num_splits, SPLITS: tl.constexpr):
+        """The row's token: the best of its slices (the first one on a tie, as argmax)."""
+        row = tl.program_id(0)
+        s = tl.arange(0, SPLITS)
+        keys = tl.load(best_keys + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        ids = tl.load(best_ids + row * num_splits + s, mask=s < num_splits, other=0)
+        first = tl.argmax(keys, 0)
+        tl.store(out + row, tl.sum(tl.where(s == first, ids, 0), 0).to(tl.int64))
 
 
 def gumbel_argmax(
@@ -63,13 +81,27 @@ def gumbel_argmax(
 ) -> torch.Tensor:
     """One token id per row of ``logits`` [S, V] (any float dtype): a draw from
     softmax(logits * inv_temperature) keyed by ``seeds`` (int64 [S]), or the argmax where
-    ``inv_temperature`` is 0."""
+    ``inv_temperature`` is 0. Each row is split over several programs (a row alone is too
+    little work to keep the GPU busy), then the slices' winners are merged."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("the logits' last dimension must be contiguous")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _gumbel_argmax_kernel[(rows,)](
-            logits, logits.stride(0), inv_temperature, seeds, out, vocab, BLOCK=_BLOCK
+        splits = triton.cdiv(vocab, _BLOCK * _TILES)
+        keys = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+        _gumbel_argmax_kernel[(rows, splits)](
+            logits,
+            logits.stride(0),
+            inv_temperature,
+            seeds,
+            keys,
+            ids,
+            vocab,
+            splits,
+            BLOCK=_BLOCK,
+            TILES=_TILES,
         )
+        _merge_kernel[(rows,)](keys, ids, out, splits, SPLITS=triton.next_power_of_2(splits))
     return out
