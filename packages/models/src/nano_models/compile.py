@@ -1,5 +1,5 @@
-"""torch.compile for the elementwise hot paths (RMSNorm, SiLU-and-mul, rotary, Qwen3's q/k norms
-with rotary), which it fuses into one kernel each. For CUDA; the layers stay eager on the CPU."""
+"""torch.compile for the elementwise hot paths (RMSNorm, SiLU-and-mul, rotary), which it fuses
+into one kernel each. For CUDA; the layers stay eager on the CPU."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from torch import nn
 
 from nano_models.layers.activation import SiluAndMul, silu_and_mul
 from nano_models.layers.norm import RMSNorm, add_rms_norm, rms_norm
-from nano_models.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary
+from nano_models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 def compile_layers(model: nn.Module) -> None:
     """Swap in compiled functions, shared by every layer (one compilation per shape family)."""
     compiled = {
         fn: torch.compile(fn, dynamic=True)
-        for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary, norm_rotary)
+        for fn in (rms_norm, add_rms_norm, silu_and_mul, apply_rotary)
     }
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -23,4 +23,4 @@ def compile_layers(model: nn.Module) -> None:
         elif isinstance(module, SiluAndMul):
             module.fn = compiled[silu_and_mul]
         elif isinstance(module, RotaryEmbedding):
-            module.fn, module.norm_fn = compiled[apply_rotary], compiled[norm_rotary]
+            module.fn = compiled[apply_rotary]

@@ -9,8 +9,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nano_models.layers.norm import rms_norm
-
 # rope type -> (inverse frequencies [head_dim / 2], attention factor scaling cos and sin)
 RopeFn = Callable[[dict, int, float, int], tuple[torch.Tensor, float]]
 ROPE_SCALING: dict[str, RopeFn] = {}
@@ -110,26 +108,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1).float(), persistent=False)
-        # Attributes so that a runner can swap in compiled ones (compile_layers).
-        self.fn, self.norm_fn = apply_rotary, norm_rotary
+        self.fn = apply_rotary
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim], k [T, kv_heads, head_dim]."""
         return self.fn(self.cos_sin, positions, q, k)
-
-    def with_norm(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm over each head of q and k (weights [head_dim]), then the rotation."""
-        return self.norm_fn(self.cos_sin, positions, q, k, q_weight, k_weight, eps)
 
 
 def apply_rotary(
@@ -142,9 +127,3 @@ def apply_rotary(
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def norm_rotary(cos_sin, positions, q, k, q_weight, k_weight, eps: float):
-    """Qwen3's per-head q and k norms and the rotation, in one function: compiled, one kernel
-    each for q and k instead of four."""
-    return apply_rotary(cos_sin, positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))

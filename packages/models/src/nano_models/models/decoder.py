@@ -58,11 +58,8 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.attn.head_dim)
         v = v.view(-1, self.num_kv_heads, self.attn.head_dim)
         if self.qk_norm:
-            q, k = self.rotary.with_norm(
-                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            )
-        else:
-            q, k = self.rotary(positions, q, k)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
 
 
