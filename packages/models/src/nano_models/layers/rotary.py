@@ -108,13 +108,40 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1).float(), persistent=False)
+        # Swapped by a runner (compile_layers): a compiled fn; fused, a kernel for split_qkv.
         self.fn = apply_rotary
+        self.fused = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim], k [T, kv_heads, head_dim]."""
         return self.fn(self.cos_sin, positions, q, k)
+
+    def split_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [T, (kv_)heads, head_dim] of a qkv projection's output [T, (heads + 2 *
+        kv_heads) * head_dim], q and k rotated, after the per-head RMSNorms when given."""
+        head_dim = self.cos_sin.shape[1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
+        if self.fused is not None:
+            norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
+            q, k = self.fused(qkv, positions, self.cos_sin, num_heads, num_kv_heads, *norm)
+            return q, k, v
+        q = qkv[:, :q_size].view(-1, num_heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = self.fn(self.cos_sin, positions, q, k)
+        return q, k, v
 
 
 def apply_rotary(

@@ -53,13 +53,9 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.attn.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.attn.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.attn.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        qkv = self.qkv_proj(x)
+        q, k, v = self.rotary.split_qkv(positions, qkv, self.num_heads, self.num_kv_heads, *norms)
         return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
 
 

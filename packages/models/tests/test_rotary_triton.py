@@ -1,0 +1,85 @@
+"""The fused q/k norm + rotary kernel against float64 torch: Qwen3-like (norms) and Llama-like
+(none) heads, head counts and head_dims that are not powers of two, fp32 and bf16, outputs
+poisoned first. GPU-marked; with TRITON_INTERPRET=1 it also runs on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nano_models.layers.rotary import RotaryEmbedding
+from nano_models.layers.rotary_triton import qk_norm_rope
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cpu" and not INTERPRET, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"
+    ),
+]
+
+
+def reference(qkv, positions, cos_sin, heads, kv_heads, weights, eps):
+    """float64: per-head RMSNorm (when weights are given), then neox rotary."""
+    dim = cos_sin.shape[1]
+    x = qkv.double()
+    q = x[:, : heads * dim].view(-1, heads, dim)
+    k = x[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    cos, sin = cos_sin.double()[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def apply(t, w):
+        if w is not None:
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+        t1, t2 = t.chunk(2, dim=-1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
+
+    return apply(q, weights[0]), apply(k, weights[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (28, 4, 64), (6, 2, 96)])
+def test_matches_float64(dtype, norm, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(heads * dim)
+    tokens, eps = 37, 1e-6
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 2).to(DEVICE, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
+    rotary = RotaryEmbedding(dim, 4096, 1_000_000.0).to(DEVICE)
+    weights = (None, None)
+    if norm:
+        weights = tuple((torch.rand(dim, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+    q, k = qk_norm_rope(qkv, positions, rotary.cos_sin, heads, kv_heads, *weights, eps)
+    want_q, want_k = reference(qkv, positions, rotary.cos_sin, heads, kv_heads, weights, eps)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 2e-2}
+    assert q.dtype == k.dtype == dtype
+    torch.testing.assert_close(q.double(), want_q, **tol)
+    torch.testing.assert_close(k.double(), want_k, **tol)
+    # Through the layer: the same as its eager path (split, norms, rotary).
+    if norm:
+        from nano_models.layers.norm import RMSNorm
+
+        norms = [RMSNorm(dim, eps).to(DEVICE) for _ in range(2)]
+        for n, w in zip(norms, weights):
+            n.weight.data = w
+    else:
+        norms = []
+    eager = rotary.split_qkv(positions, qkv, heads, kv_heads, *norms)
+    rotary.fused = qk_norm_rope
+    fused = rotary.split_qkv(positions, qkv, heads, kv_heads, *norms)
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_bad_arguments():
+    qkv = torch.randn(4, 10 * 64, device=DEVICE)
+    cos_sin = RotaryEmbedding(64, 128, 10_000.0).cos_sin.to(DEVICE)
+    positions = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match="heads"):
+        qk_norm_rope(qkv, positions, cos_sin, 8, 4)
+    with pytest.raises(ValueError, match="both norm weights"):
+        qk_norm_rope(qkv, positions, cos_sin, 6, 2, torch.ones(64, device=DEVICE), None)
