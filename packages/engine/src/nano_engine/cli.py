@@ -212,6 +212,7 @@ def bench(args: argparse.Namespace) -> int:
             "preemptions": engine.scheduler.num_preemptions,
             "attention_backend": engine.runner.backend.name,
             "cuda_graphs": engine.runner.graphs is not None,
+            "async_scheduling": engine.async_scheduling,
             "device": str(engine.runner.device),
         }
         step_log = engine.step_log
@@ -225,7 +226,8 @@ def bench(args: argparse.Namespace) -> int:
     if len(times) > 1:
         print("runs: " + ", ".join(f"{t:.2f}s" for t in times))
     print(
-        f"steps: {stats.steps}, host share of step time: {stats.host_share:.1%}, KV capacity: "
+        f"steps: {stats.steps}, host share of step time: {stats.host_share:.1%} (async "
+        f"scheduling: {result['async_scheduling']}), KV capacity: "
         f"{result['kv_blocks']} blocks = {result['kv_tokens']:,} tokens, preemptions: "
         f"{result['preemptions']}, attention: {result['attention_backend']}, CUDA graphs: "
         f"{result['cuda_graphs']}"

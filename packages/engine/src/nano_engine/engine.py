@@ -2,7 +2,9 @@
 
 The loop owns the scheduler, the model runner and the sampler: each step it schedules, runs the
 model, samples, updates the scheduler, detokenizes and pushes incremental outputs to each
-request's stream. Requests are validated and tokenized on the caller's thread, so bad input is
+request's stream. With async scheduling (the default without tensor parallelism) it schedules
+and launches step N+1 before reading step N's tokens, so the host's work overlaps the device's:
+step N's sequences carry a placeholder token that step N+1 takes from the device. Requests are validated and tokenized on the caller's thread, so bad input is
 an exception there and never reaches the loop.
 """
 
@@ -525,8 +527,9 @@ class LLMEngine:
 
 @dataclass
 class StepStats:
-    """Where step time goes: host work (schedule, inputs, update, detokenize, publish) against
-    the model and sampler until the sampled tokens are on the host."""
+    """Where the loop's time goes: its own work (schedule, inputs, update, detokenize, publish)
+    against waiting for sampled tokens. With async scheduling the two overlap the device's work,
+    so the host share is how busy the loop is, not how long the device waits."""
 
     steps: int = 0
     host_seconds: float = 0.0
