@@ -4,8 +4,10 @@ The loop owns the scheduler, the model runner and the sampler: each step it sche
 model, samples, updates the scheduler, detokenizes and pushes incremental outputs to each
 request's stream. With async scheduling (the default without tensor parallelism) it schedules
 and launches step N+1 before reading step N's tokens, so the host's work overlaps the device's:
-step N's sequences carry a placeholder token that step N+1 takes from the device. Requests are validated and tokenized on the caller's thread, so bad input is
-an exception there and never reaches the loop.
+step N's sequences carry a placeholder token that step N+1 takes from the device.
+
+Requests are validated and tokenized on the caller's thread, so bad input is an exception there
+and never reaches the loop.
 """
 
 from __future__ import annotations
