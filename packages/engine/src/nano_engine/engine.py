@@ -400,7 +400,9 @@ class LLMEngine:
             step.shape["seconds"] = arrived - max(step.launched, self._last_arrival)
             self.step_log.append(step.shape)
         self._last_arrival = arrived
-        for seq in self.scheduler.resolve(step.pending, tokens, next_out):
+        finished = self.scheduler.resolve(step.pending, tokens, next_out)
+        # (those finished while scheduling the step come first: their outputs are out already)
+        for seq in finished[len(step.pending.output.finished) :]:
             self._touch(touched, seq)
         for row, seq, _ in step.pending.slots:
             token, logprob = tokens[row], logprobs[row]
