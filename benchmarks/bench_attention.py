@@ -5,8 +5,9 @@ Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, bl
   read / time) against a device-to-device copy, and torch's flash attention (SDPA) over a
   contiguous cache at the same shape (target: >= 3.2 TB/s);
 - prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached):
-  attention FLOP/s against an 8k bf16 matmul (target: >= 60% of it), and torch's varlen flash
-  attention where it applies (no cached prefix).
+  attention FLOP/s against an 8k bf16 matmul (target: >= 60% of it), with and without TMA
+  loads of the new tokens' K/V, and where nothing is cached torch's varlen flash attention and
+  cuDNN's fused attention over the dense equivalent.
 
     python benchmarks/bench_attention.py [--json out.json]
 """
@@ -72,25 +73,24 @@ def decode(batch: int, context: int) -> dict:
     }
 
 
-# Prefill tiles tried: (block_m, block_n, num_warps, num_stages).
+# Prefill tiles tried: (block_m, block_n, num_warps, num_stages), block_n dividing block_m.
 TILES = (
     (64, 64, 4, 2),
     (64, 64, 4, 3),
-    (128, 64, 8, 2),
+    (64, 32, 4, 3),
+    (128, 64, 4, 2),
     (128, 64, 8, 3),
-    (128, 128, 8, 2),
     (128, 128, 8, 3),
     (128, 32, 4, 3),
-    (64, 128, 4, 2),
-    (256, 64, 8, 2),
 )
 
 
 def prefill(chunks: list[tuple[int, int]]) -> dict:
-    """TFLOP/s of every prefill tile on these chunks ((new tokens, cached tokens) each), and of
-    torch's varlen flash attention when nothing is cached."""
+    """TFLOP/s of every prefill tile on these chunks ((new tokens, cached tokens) each), the
+    default tile with pointer loads instead of TMA, and where nothing is cached torch's varlen
+    flash attention and cuDNN's attention (SDPA) over the dense equivalent."""
     lens = [n + c for n, c in chunks]
-    k, v, perm = paged_cache(sum(lens))
+    k_cache, v_cache, perm = paged_cache(sum(lens))
     width = max(-(-n // BLOCK) for n in lens)
     tables = perm[: len(chunks) * width].view(len(chunks), width).contiguous()
     query_lens = [n for n, _ in chunks]
@@ -98,41 +98,54 @@ def prefill(chunks: list[tuple[int, int]]) -> dict:
         [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
     )
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    # q, k, v as the model hands them over: views of one qkv projection output.
+    qkv = torch.randn(sum(query_lens), HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
     out = torch.empty_like(q)
     flops = 4 * HEADS * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for n, c in chunks)
     result = {"chunks": chunks, "tokens": sum(query_lens), "tiles": {}}
+
+    def run(tile=None, tma=None):
+        args = (q, k, v, k_cache, v_cache, tables, seq_lens, qsl, max(query_lens), HEAD_DIM**-0.5)
+        return lambda: paged_prefill(*args, out=out, tile=tile, tma=tma)
+
     for tile in TILES:
         try:
-            t = ms(
-                lambda c=tile: paged_prefill(
-                    q,
-                    k,
-                    v,
-                    tables,
-                    seq_lens,
-                    qsl,
-                    max(query_lens),
-                    HEAD_DIM**-0.5,
-                    out=out,
-                    block_m=c[0],
-                    block_n=c[1],
-                    num_warps=c[2],
-                    num_stages=c[3],
-                )
-            )
+            t = ms(run(tile))
         except Exception as e:  # a tile that does not compile (shared memory): report it
             print(f"  prefill tile {tile}: {type(e).__name__}")
             continue
         result["tiles"][str(tile)] = flops / (t * 1e-3) / 1e12
-    result["best_tile"], result["triton_tflops"] = max(
-        result["tiles"].items(), key=lambda kv: kv[1]
-    )
+    result["best_tile"], result["best_tflops"] = max(result["tiles"].items(), key=lambda x: x[1])
+    result["triton_tflops"] = flops / (ms(run()) * 1e-3) / 1e12  # the default tile
+    result["pointers_tflops"] = flops / (ms(run(tma=False)) * 1e-3) / 1e12
     if all(c == 0 for _, c in chunks):
         varlen = _torch_varlen(q, qsl, max(query_lens))
         if varlen is not None:
             result["torch_varlen_tflops"] = flops / (ms(varlen) * 1e-3) / 1e12
+        result["cudnn_tflops"] = flops / (ms(_cudnn_dense(q, k, v, chunks)) * 1e-3) / 1e12
     return result
+
+
+def _cudnn_dense(q, k, v, chunks):
+    """cuDNN's fused attention through SDPA, causal, over the dense [B, heads, n, head_dim]
+    equivalent of equal-length chunks (K/V heads repeated for GQA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, n = len(chunks), chunks[0][0]
+    group = HEADS // KV_HEADS
+
+    def dense(x, repeat=1):
+        x = x.reshape(batch, n, x.shape[1], HEAD_DIM).transpose(1, 2)
+        return x.repeat_interleave(repeat, dim=1).contiguous()
+
+    qd, kd, vd = dense(q), dense(k, group), dense(v, group)
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
+    return run
 
 
 def _torch_varlen(q, qsl, max_len):
@@ -173,16 +186,17 @@ def main() -> None:
             f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['sdpa_tbps']:10.2f}"
         )
     print(
-        f"{'prefill':>24} {'best Triton TFLOP/s':>20} {'tile':>18} {'of matmul':>10} "
-        f"{'torch varlen':>13}"
+        f"{'prefill (new/cached)':>24} {'Triton TFLOP/s':>15} {'of matmul':>10} {'best tile':>18} "
+        f"{'(TFLOP/s)':>10} {'no TMA':>7} {'torch varlen':>13} {'cuDNN dense':>12}"
     )
     for r in prefills:
         name = f"{len(r['chunks'])} x " + "+".join(f"{n}/{c}" for n, c in sorted(set(r["chunks"])))
-        varlen = r.get("torch_varlen_tflops")
+        others = [r.get("torch_varlen_tflops"), r.get("cudnn_tflops")]
         print(
-            f"{name:>24} {r['triton_tflops']:20.0f} {r['best_tile']:>18} "
-            f"{r['triton_tflops'] / limits['matmul_tflops']:10.0%} "
-            f"{f'{varlen:13.0f}' if varlen else '-':>13}"
+            f"{name:>24} {r['triton_tflops']:15.0f} "
+            f"{r['triton_tflops'] / limits['matmul_tflops']:10.0%} {r['best_tile']:>18} "
+            f"{r['best_tflops']:10.0f} {r['pointers_tflops']:7.0f} "
+            + " ".join(f"{f'{x:.0f}' if x else '-':>{w}}" for x, w in zip(others, (13, 12)))
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -50,6 +50,27 @@ def padded(tables):
     return out.to(DEVICE)
 
 
+def new_kv(k_cache, v_cache, tables, chunks, heads):
+    """The new tokens' K and V, taken from the cache into views of a qkv-shaped buffer (the
+    layout the model hands over); their cache slots are then poisoned with NaN: the kernel
+    must read them from k and v."""
+    block_size, head_dim = k_cache.shape[2], k_cache.shape[3]
+    kv_heads = k_cache.shape[1]
+    spots = [(t[p // block_size], p % block_size) for t, (n, c) in zip(tables, chunks)
+             for p in range(c, c + n)]  # fmt: skip
+    pages = torch.tensor([page for page, _ in spots], device=DEVICE)
+    slots = torch.tensor([slot for _, slot in spots], device=DEVICE)
+    buf = torch.full(
+        (len(spots), heads + 2 * kv_heads, head_dim), float("nan"), dtype=k_cache.dtype
+    ).to(DEVICE)
+    k, v = buf[:, heads : heads + kv_heads], buf[:, heads + kv_heads :]
+    k.copy_(k_cache[pages, :, slots])
+    v.copy_(v_cache[pages, :, slots])
+    k_cache[pages, :, slots] = float("nan")
+    v_cache[pages, :, slots] = float("nan")
+    return k, v
+
+
 def check(out, ref, dtype):
     assert not torch.isnan(out).any(), "an output was not written"
     err = (out.double() - ref).norm() / ref.norm()
@@ -113,10 +134,18 @@ if not INTERPRET:
     ]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,chunks", PREFILL_CASES)
-def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks):
+def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks, tma):
+    """The cached keys through the block table, the new ones from the step's K/V: through
+    pointers, or TMA descriptors (Hopper on; Triton's interpreter runs them too)."""
     from nano_kvcache.attention import paged_prefill
+
+    if tma and head_dim & (head_dim - 1):
+        pytest.skip("TMA tiles need a power-of-two head_dim")
+    if tma and DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
 
     rng = random.Random(block_size * heads)
     g = torch.Generator(device=DEVICE).manual_seed(len(chunks))
@@ -129,9 +158,13 @@ def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks):
     qsl = torch.tensor(
         [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
     )
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, query_lens, lens, head_dim**-0.5)
+    k, v = new_kv(k_cache, v_cache, tables, chunks, heads)
     out = torch.full_like(q, float("nan"))
     paged_prefill(
         q,
+        k,
+        v,
         k_cache,
         v_cache,
         padded(tables),
@@ -140,8 +173,8 @@ def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks):
         max(query_lens),
         head_dim**-0.5,
         out=out,
+        tma=tma,
     )
-    ref = paged_attention_reference(q, k_cache, v_cache, tables, query_lens, lens, head_dim**-0.5)
     check(out, ref, dtype)
 
 
@@ -205,8 +238,17 @@ def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
         starts = torch.arange(len(q) + 1, dtype=torch.int32)
         qsl = torch.cat([torch.zeros(offset, dtype=torch.int32), starts]).cuda()
         out = torch.full_like(q, float("nan"))
+        k, v = new_kv(
+            k_cache.clone(),
+            v_cache.clone(),
+            tables[offset:],
+            [(1, n - 1) for n in lens[offset:]],
+            16,
+        )
         paged_prefill(
             q,
+            k,
+            v,
             k_cache,
             v_cache,
             table[offset:],
@@ -220,3 +262,71 @@ def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
         if step == 0:
             compiled.clear()  # the first step compiles (or loads) each kernel once
     assert compiled == []
+
+
+def test_prefill_token_counts_compile_nothing_new(monkeypatch):
+    """Each prefill step has its own number of tokens (the TMA descriptors' shape) and its own
+    offsets of the new K/V: none of it may compile another kernel."""
+    if DEVICE != "cuda":
+        pytest.skip("compilation happens on the GPU only")
+    import triton
+
+    from nano_kvcache.attention import paged_prefill
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip("the compile hook needs Triton >= 3.4")
+    compiled = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: compiled.append(k.get("repr"))
+    )
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rng = random.Random(4)
+    for step, chunks in enumerate([[(40, 0), (3, 20)], [(129, 7)], [(1, 0), (17, 0), (300, 33)]]):
+        lens = [n + c for n, c in chunks]
+        query_lens = [n for n, _ in chunks]
+        k_cache, v_cache = make_cache(64, 8, 16, 128, torch.bfloat16, g)
+        tables = tables_for(lens, 16, 64, rng)
+        q = torch.randn(sum(query_lens), 16, 128, generator=g, device="cuda").to(torch.bfloat16)
+        ref = paged_attention_reference(q, k_cache, v_cache, tables, query_lens, lens, 0.088)
+        k, v = new_kv(k_cache, v_cache, tables, chunks, 16)
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        paged_prefill(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            padded(tables),
+            torch.tensor(lens, dtype=torch.int32, device="cuda"),
+            qsl.cuda(),
+            max(query_lens),
+            0.088,
+            out=out,
+        )
+        check(out, ref, torch.bfloat16)
+        if step == 0:
+            compiled.clear()
+    assert compiled == []
+
+
+def test_prefill_rejects_bad_new_kv():
+    from nano_kvcache.attention import paged_prefill
+
+    q = torch.randn(5, 4, 64, device=DEVICE, dtype=torch.float16)
+    k_cache = torch.randn(4, 2, 16, 64, device=DEVICE, dtype=torch.float16)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    meta = (tables, torch.tensor([5], dtype=torch.int32, device=DEVICE))
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    k = torch.randn(5, 4, 64, device=DEVICE, dtype=torch.float16)  # q's heads, not kv heads
+    with pytest.raises(ValueError, match="k and v must be"):
+        paged_prefill(q, k, k, k_cache, k_cache, *meta, qsl, 5, 0.1)
+    k = torch.randn(5, 2, 64, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block_n"):
+        paged_prefill(q, k, k, k_cache, k_cache, *meta, qsl, 5, 0.1, tile=(32, 64, 4, 2))
+    with pytest.raises(ValueError, match="contiguous head_dim"):
+        strided = k.transpose(1, 2).contiguous().transpose(1, 2)
+        paged_prefill(q, strided, strided, k_cache, k_cache, *meta, qsl, 5, 0.1)
+    k = torch.randn(5, 2, 72, device=DEVICE, dtype=torch.float16)[:, :, :64]  # 144-byte rows
+    with pytest.raises(ValueError, match="tma=True"):
+        paged_prefill(q, k, k, k_cache, k_cache, *meta, qsl, 5, 0.1, tma=True)

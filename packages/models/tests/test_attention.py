@@ -32,7 +32,11 @@ def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu
     ctx = ForwardContext.build(
         query_lens, seq_lens, tables, block_size, num_prefills=3, device=device
     )
-    return q, k_cache.to(device), v_cache.to(device), ctx, tables
+    # The step's own K/V, as the layer hands them over: already in the caches at its slots.
+    slots = ctx.slot_mapping.cpu()
+    k = k_cache[slots // block_size, :, slots % block_size]
+    v = v_cache[slots // block_size, :, slots % block_size]
+    return q, k.to(device), v.to(device), k_cache.to(device), v_cache.to(device), ctx, tables
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
@@ -54,11 +58,10 @@ def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu
 def test_torch_backend_matches_the_float64_reference(
     heads, kv_heads, block_size, dtype, tol, device
 ):
-    q, k_cache, v_cache, ctx, tables = random_batch(
+    q, k, v, k_cache, v_cache, ctx, tables = random_batch(
         heads + block_size, heads, kv_heads, 16, block_size, dtype, device
     )
     q = q.to(device)
-    k = v = torch.empty(q.shape[0], kv_heads, 16, dtype=dtype, device=device)  # in the caches
     out = get_attention_backend("torch").forward(q, k, v, k_cache, v_cache, ctx, 0.25).cpu()
     q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
     ref = paged_attention_reference(
@@ -118,9 +121,8 @@ def _importable(module: str) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_backends_match_the_reference(backend, dtype):
     """A mixed batch (prefills, a cached prefix, a chunk, decodes) with 256-token blocks."""
-    q, k_cache, v_cache, ctx, tables = random_batch(7, 8, 2, 128, 256, dtype, "cuda")
+    q, k, v, k_cache, v_cache, ctx, tables = random_batch(7, 8, 2, 128, 256, dtype, "cuda")
     q = q.cuda()
-    k = v = torch.empty(q.shape[0], 2, 128, dtype=dtype, device="cuda")
     out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, ctx, 0.088)
     qsl = ctx.query_start_loc_cpu
     ref = paged_attention_reference(

@@ -19,6 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.4: TMA descriptors built on the host
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 _LOG2E = 1.4426950408889634
 
 
@@ -55,14 +60,57 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """One tile of the online softmax: masked base-2 scores s [M, N], values v [N, D]."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+def _load_new_tile(
+    k_new,
+    v_new,
+    row,
+    n,
+    k_cols,
+    v_cols,
+    t_mask,
+    d_mask,
+    stride_knt,
+    stride_vnt,
+    TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """K and V of the new tokens row + n, [tokens, head_dim] each, from the step's own K/V:
+    TMA descriptors over its [T, kv_heads * head_dim] rows (k_cols, v_cols: the head's first
+    column), or pointers (k_cols, v_cols: the head's columns)."""
+    if TMA:
+        k = k_new.load([row, k_cols])
+        v = v_new.load([row, v_cols])
+    else:
+        rows = (row + n).to(tl.int64)[:, None]
+        if MASKED:
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_new + rows * stride_knt + k_cols[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_new + rows * stride_vnt + v_cols[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_new + rows * stride_knt + k_cols[None, :])
+            v = tl.load(v_new + rows * stride_vnt + v_cols[None, :])
+    return k, v
+
+
+@triton.jit
+def _attend(
+    q, k, v, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, PRECISION: tl.constexpr
+):
+    """One key tile of the online softmax (base 2): q [M, D], k and v [N, D]; visible [M, N]
+    when MASKED. Every row must see a key in the first tile it is given, so the running max is
+    finite from then on (no -inf - -inf)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        qk = tl.where(visible, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk -= m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        qk = qk * scale_log2 - m_new[:, None]
+    p = tl.exp2(qk)
+    alpha = tl.exp2(m_i - m_new)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -146,9 +194,9 @@ def _decode_kernel(
             stride_kt,
             BLOCK_SIZE,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend(
+            q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
+        )
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -298,6 +346,8 @@ def paged_decode(
 @_metadata_jit(["block_tables", "seq_lens", "query_start_loc"])
 def _prefill_kernel(
     q_ptr,
+    k_new,
+    v_new,
     k_cache,
     v_cache,
     block_tables,
@@ -307,6 +357,10 @@ def _prefill_kernel(
     scale_log2,
     stride_qt,
     stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_kb,
     stride_kh,
     stride_kt,
@@ -319,6 +373,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -330,55 +385,52 @@ def _prefill_kernel(
     tile = tl.cdiv(q_len, BLOCK_M) - 1 - tl.program_id(0)
     if tile < 0:
         return
-    length = tl.load(seq_lens + seq)
-    cached = length - q_len  # tokens before the new ones (a prefix, earlier chunks)
+    cached = tl.load(seq_lens + seq) - q_len  # tokens before the new ones (a prefix, chunks)
 
-    m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile
+    m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile, from q_start
     m_mask = m_offs < q_len
+    n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
+    padded: tl.constexpr = BLOCK_D != HEAD_DIM
     q = tl.load(
         q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    positions = cached + m_offs
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_head = head // GROUP
+
+    # The cached keys, visible to every query, through the block table: whole tiles without
+    # masks (the loads pipeline), then the partial last one.
     table = block_tables + seq * stride_bt
-    kv_base = (head // GROUP) * stride_kh
-    # Keys up to the last query of the tile. Key tiles wholly before the tile's first query are
-    # visible to all its queries: one loop without masks (it pipelines), then the diagonal.
-    end = tl.minimum(cached + (tile + 1) * BLOCK_M, length)
-    unmasked_end = (cached + tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    for first in range(0, unmasked_end, BLOCK_N):
-        tokens = first + tl.arange(0, BLOCK_N)
+    kv_base = kv_head * stride_kh
+    whole = cached // BLOCK_N * BLOCK_N
+    for first in range(0, whole, BLOCK_N):
         k, v = _load_kv_tile(
             k_cache,
             v_cache,
             table,
-            tokens,
-            tokens < end,
+            first + n,
+            n >= 0,
             kv_base,
             d,
             d_mask,
             stride_kb,
             stride_kt,
             BLOCK_SIZE,
-            MASKED=BLOCK_D != HEAD_DIM,
+            padded,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
-    for first in range(unmasked_end, end, BLOCK_N):
-        tokens = first + tl.arange(0, BLOCK_N)
-        t_mask = tokens < end
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
+    if whole < cached:
+        t_mask = whole + n < cached
         k, v = _load_kv_tile(
             k_cache,
             v_cache,
             table,
-            tokens,
+            whole + n,
             t_mask,
             kv_base,
             d,
@@ -387,20 +439,85 @@ def _prefill_kernel(
             stride_kt,
             BLOCK_SIZE,
         )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (tokens[None, :] <= positions[:, None]) & t_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        m_i, l_i, acc = _attend(
+            q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
+        )
+
+    # The new tokens' keys, from the step's own K/V: those before the tile's first query are
+    # visible to all its queries (BLOCK_N divides BLOCK_M), then the causal diagonal.
+    if TMA:  # the head's first column in the descriptors' rows
+        k_cols = kv_head * HEAD_DIM
+        v_cols = kv_head * HEAD_DIM
+    else:
+        k_cols = kv_head * stride_knh + d
+        v_cols = kv_head * stride_vnh + d
+    diagonal = tile * BLOCK_M
+    for j in range(0, diagonal, BLOCK_N):
+        k, v = _load_new_tile(
+            k_new,
+            v_new,
+            q_start + j,
+            n,
+            k_cols,
+            v_cols,
+            n >= 0,
+            d_mask,
+            stride_knt,
+            stride_vnt,
+            TMA,
+            padded,
+        )
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
+    for j in range(diagonal, tl.minimum(diagonal + BLOCK_M, q_len), BLOCK_N):
+        # (a visible key is at most the query's row, so never past this sequence's tokens)
+        t_mask = j + n < q_len
+        k, v = _load_new_tile(
+            k_new,
+            v_new,
+            q_start + j,
+            n,
+            k_cols,
+            v_cols,
+            t_mask,
+            d_mask,
+            stride_knt,
+            stride_vnt,
+            TMA,
+            True,
+        )
+        visible = (j + n)[None, :] <= m_offs[:, None]
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, visible, True, PRECISION)
+
     tl.store(
         out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
+def _tma_layout(x: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read x [T, kv_heads, head_dim] as rows of [T, kv_heads *
+    head_dim]: 16-byte aligned rows, heads side by side, a power-of-two head_dim (Triton's
+    block shapes)."""
+    head_dim = x.shape[2]
+    return (
+        TensorDescriptor is not None
+        and head_dim == triton.next_power_of_2(head_dim)
+        and x.stride(2) == 1
+        and x.stride(1) == head_dim
+        and x.data_ptr() % 16 == 0
+        and x.stride(0) * x.element_size() % 16 == 0
+    )
+
+
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def paged_prefill(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -409,31 +526,59 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tile: tuple[int, int, int, int] | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its cached context and themselves.
 
-    q [T, heads, head_dim] (sequence b's queries are rows query_start_loc[b]:[b+1], at positions
-    seq_lens[b] - n .. seq_lens[b] - 1, whose K/V are already in the cache); block_tables int32
-    [B, max_blocks]; seq_lens, query_start_loc int32. Returns [T, heads, head_dim].
+    q [T, heads, head_dim] and the new tokens' k, v [T, kv_heads, head_dim] (sequence b's are
+    rows query_start_loc[b]:[b+1], at positions seq_lens[b] - n .. seq_lens[b] - 1); the keys
+    before them are read from the caches [blocks, kv_heads, block_size, head_dim] through
+    block_tables int32 [B, max_blocks]; seq_lens, query_start_loc int32. The new tokens' keys
+    are read from k and v, not the cache (contiguous rows: TMA loads where the GPU has them,
+    ``tma`` forces either way). ``tile``: (block_m, block_n, num_warps, num_stages), block_n
+    dividing block_m. Returns [T, heads, head_dim].
     """
     tokens, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must be [{tokens}, {kv_heads}, {head_dim}] (q's tokens, the cache's kv "
+            f"heads and head_dim), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     # The tile measured best on an H200 for 8 x 1k, 1 x 8k and 4 x 512 over 1.5k cached
-    # (benchmarks/bench_attention.py).
-    tile = (64, 64, 4, 2)
-    block_m, block_n = block_m or tile[0], block_n or tile[1]
-    num_warps, num_stages = num_warps or tile[2], num_stages or tile[3]
+    # (benchmarks/bench_attention.py); three stages of fp32 tiles would not fit in shared memory.
+    block_m, block_n, num_warps, num_stages = tile or (64, 64, 4, 3 if q.element_size() <= 2 else 2)
+    if block_n > block_m or block_m % block_n:
+        raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
     if tokens == 0 or num_seqs == 0:
         return out
+    block_d = triton.next_power_of_2(head_dim)
+    layout_ok = _tma_layout(k) and _tma_layout(v)
+    if tma is None:
+        tma = layout_ok and _has_tma(q.device)
+    elif tma and not layout_ok:
+        raise ValueError(
+            "tma=True needs k and v with 16-byte aligned rows of kv_heads x head_dim contiguous "
+            f"values, head_dim a power of two, and Triton >= 3.4 (got strides {k.stride()} and "
+            f"{v.stride()}, head_dim {head_dim})"
+        )
+    if tma:
+        k_new, v_new = (
+            TensorDescriptor(x, [tokens, kv_heads * head_dim], [x.stride(0), 1], [block_n, block_d])
+            for x in (k, v)
+        )
+    else:
+        k_new, v_new = k, v
     grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
     _prefill_kernel[grid](
         q,
+        k_new,
+        v_new,
         k_cache,
         v_cache,
         block_tables,
@@ -443,6 +588,10 @@ def paged_prefill(
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -452,9 +601,10 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        TMA=tma,
         PRECISION=_precision(q),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -44,8 +44,9 @@ class AttentionBackend(ABC):
         ctx: ForwardContext,
         scale: float,
     ) -> torch.Tensor:
-        """q [T, heads, head_dim]; k, v [T, kv_heads, head_dim], already in the caches
-        [num_blocks, kv_heads, block_size, head_dim]. Returns [T, heads, head_dim]."""
+        """q [T, heads, head_dim]; k, v [T, kv_heads, head_dim], the step's own K/V, already
+        in the caches [num_blocks, kv_heads, block_size, head_dim] (a backend reads them from
+        either). Returns [T, heads, head_dim]."""
 
 
 # Backends with optional dependencies: registered when their module imports.

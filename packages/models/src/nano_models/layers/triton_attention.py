@@ -17,6 +17,8 @@ class TritonAttention(AttentionBackend):
         if prefills:
             paged_prefill(
                 q[:first],
+                k[:first],
+                v[:first],
                 k_cache,
                 v_cache,
                 ctx.block_tables[:prefills],
