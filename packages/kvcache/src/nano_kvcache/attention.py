@@ -6,7 +6,9 @@ per layer), for any block size.
   several splits, works on a slice of the context (flash-decoding), merged by a second kernel.
   The grid depends only on the batch size, never on the data: it runs inside CUDA graphs.
 - ``paged_prefill``: the new tokens of each sequence attend causally to themselves and to
-  everything before them in the cache (a cached prefix, earlier chunks).
+  everything before them in the cache (a cached prefix, earlier chunks). The cached keys come
+  through the block table; the new tokens' own keys straight from the step's K/V, contiguous
+  rows that TMA loads on Hopper and later.
 
 Both accumulate in fp32 with an online softmax (base-2 exponentials).
 """
@@ -514,6 +516,16 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def prefill_tile(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of a prefill, measured on an H200 (RESULTS.md,
+    benchmarks/bench_attention.py): 64 x 64 tiles up to 2k-token prompts, 128 x 128 from 4k on
+    (4-11% faster there, 10-15% slower on shorter ones). fp32 tiles take two stages (three do
+    not fit in shared memory)."""
+    if dtype.itemsize > 2:
+        return 64, 64, 4, 2
+    return (128, 128, 8, 3) if max_query_len >= 4096 else (64, 64, 4, 3)
+
+
 def paged_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -537,7 +549,7 @@ def paged_prefill(
     block_tables int32 [B, max_blocks]; seq_lens, query_start_loc int32. The new tokens' keys
     are read from k and v, not the cache (contiguous rows: TMA loads where the GPU has them,
     ``tma`` forces either way). ``tile``: (block_m, block_n, num_warps, num_stages), block_n
-    dividing block_m. Returns [T, heads, head_dim].
+    dividing block_m (default: ``prefill_tile``). Returns [T, heads, head_dim].
     """
     tokens, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -550,9 +562,7 @@ def paged_prefill(
         raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
-    # The tile measured best on an H200 for 8 x 1k, 1 x 8k and 4 x 512 over 1.5k cached
-    # (benchmarks/bench_attention.py); three stages of fp32 tiles would not fit in shared memory.
-    block_m, block_n, num_warps, num_stages = tile or (64, 64, 4, 3 if q.element_size() <= 2 else 2)
+    block_m, block_n, num_warps, num_stages = tile or prefill_tile(max_query_len, q.dtype)
     if block_n > block_m or block_m % block_n:
         raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
     if tokens == 0 or num_seqs == 0:
