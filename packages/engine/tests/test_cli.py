@@ -62,11 +62,16 @@ def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
         str(out),
         "--step-log",
         str(steps),
+        "--repeat",
+        "2",
     )
     assert proc.returncode == 0, proc.stderr
     assert "output tok/s" in proc.stdout and "host share of step time" in proc.stdout
     result = json.loads(out.read_text())
     assert result["num_seqs"] == 16 and result["output_tokens"] > 0
+    # The second run repeats the prompts but finds none of them cached: both compute them all.
+    assert result["prefix_cache_hit_tokens_each_run"] == [0, 0]
+    assert "prefix cache hits: 0 tokens" in proc.stdout
     samples = json.loads(steps.read_text())["samples"]
     assert len(samples) == result["steps"] and all(s["seconds"] > 0 for s in samples)
 

@@ -44,3 +44,20 @@ def test_greedy_matches_transformers(reference, mode):
     for out, ids in zip(outputs, sample_prompts()):
         assert out.prompt_token_ids == ids and out.finished
         assert out.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_reset_prefix_cache_computes_repeated_prompts_again(reference):
+    path, expected = reference
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    with LLM(path, kvcache_block_size=4) as llm:
+        blocks = llm.engine.block_manager
+        llm.generate(sample_prompts(), params, use_tqdm=False)
+        first = blocks.hit_tokens  # what the prompts share among themselves
+        llm.generate(sample_prompts(), params, use_tqdm=False)
+        assert blocks.hit_tokens - first > first  # the repeat finds its prompts cached
+        assert llm.reset_prefix_cache() > 0
+        hits = blocks.hit_tokens
+        outputs = llm.generate(sample_prompts(), params, use_tqdm=False)
+        assert blocks.hit_tokens - hits == first  # as the first run: nothing from before
+        assert llm.reset_prefix_cache() > 0 and blocks.num_cached_free_blocks == 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -102,6 +102,24 @@ def test_freed_blocks_serve_later_prompts_until_evicted():
     assert bm.num_cached_free_blocks == 0 and bm.evictions == 0
 
 
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_those_in_use():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    freed, running = Seq(range(9)), Seq(range(100, 109))
+    prefill(bm, freed)
+    prefill(bm, running)
+    bm.deallocate(freed)
+    assert bm.num_cached_free_blocks == 2
+    assert bm.reset_prefix_cache() == 2
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 5
+    again = Seq([*range(9), 7])
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0  # computed afresh
+    shared = Seq([*range(100, 109), 7])
+    bm.allocate(shared)
+    assert shared.num_cached_tokens == 8  # the running sequence's blocks are still shared
+    assert bm.reset_prefix_cache() == 0 and bm.evictions == 0
+
+
 def test_eviction_takes_blocks_without_contents_first_then_least_recently_freed():
     bm = BlockManager(num_blocks=4, block_size=2)
     a, b = Seq([1, 2, 3]), Seq([7, 8, 9])

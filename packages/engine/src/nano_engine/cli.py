@@ -189,14 +189,19 @@ def bench(args: argparse.Namespace) -> int:
         warm = [[rng.randint(0, 10_000) for _ in range(rng.randint(1, longest))] for _ in range(64)]
         llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
         engine = llm.engine
-        times = []
+        times, hits = [], []
+        blocks = engine.scheduler.block_manager
         for _ in range(args.repeat):
+            # Every run computes its prompts afresh, as the single run of nano-vllm's benchmark
+            # does: nothing found in the prefix cache from the run before.
+            llm.reset_prefix_cache()
             engine.stats.__init__()
             if args.step_log:
                 engine.step_log = []
-            start = time.perf_counter()
+            start, hit = time.perf_counter(), blocks.hit_tokens
             outputs = llm.generate(prompts, params, use_tqdm=False)
             times.append(time.perf_counter() - start)
+            hits.append(blocks.hit_tokens - hit)
         elapsed = min(times)
         stats = engine.stats
         result = {
@@ -205,6 +210,7 @@ def bench(args: argparse.Namespace) -> int:
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "seconds": elapsed,
             "seconds_each_run": times,
+            "prefix_cache_hit_tokens_each_run": hits,
             "steps": stats.steps,
             "host_share": stats.host_share,
             "kv_blocks": engine.runner.num_blocks,
@@ -230,7 +236,7 @@ def bench(args: argparse.Namespace) -> int:
         f"scheduling: {result['async_scheduling']}), KV capacity: "
         f"{result['kv_blocks']} blocks = {result['kv_tokens']:,} tokens, preemptions: "
         f"{result['preemptions']}, attention: {result['attention_backend']}, CUDA graphs: "
-        f"{result['cuda_graphs']}"
+        f"{result['cuda_graphs']}, prefix cache hits: {max(hits)} tokens"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,6 +276,23 @@ class LLMEngine:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``): prompts
+        seen before are computed again, as in benchmark runs that repeat a workload. Returns
+        the number of blocks forgotten."""
+        done: Future[int] = Future()
+        with self._cond:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine is not running: {self.error}")
+            self._inbox.append(("reset_prefix_cache", done))
+            self._cond.notify()
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except TimeoutError:
+                if self.error is not None:
+                    raise EngineDeadError(f"the engine is not running: {self.error}") from None
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -311,8 +329,10 @@ class LLMEngine:
                         for index, seq in enumerate(payload.seqs):
                             self._seq_owner[seq.seq_id] = (payload, index)
                             self.scheduler.add(seq)
-                    else:
+                    elif kind == "abort":
                         self._abort(payload)
+                    else:  # reset_prefix_cache
+                        payload.set_result(self.scheduler.block_manager.reset_prefix_cache())
                 if self.scheduler.has_unfinished() or self._in_flight is not None:
                     self._step()
         except BaseException as e:

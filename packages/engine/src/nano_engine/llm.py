@@ -101,6 +101,10 @@ class LLM:
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks no request holds; returns how many."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

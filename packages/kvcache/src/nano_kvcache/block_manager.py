@@ -238,6 +238,20 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_cached_tokens = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the contents of every free block, as vLLM's ``reset_prefix_cache``: later
+        requests recompute what they would have found cached (benchmark runs that repeat the
+        same prompts, say). Blocks in use keep their keys: their sequences still hold them.
+        Returns the number of blocks forgotten."""
+        forgotten = len(self._cached_free)
+        for block_id in self._cached_free:
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.reset()
+            self._free.append(block_id)
+        self._cached_free.clear()
+        return forgotten
+
     # ---- decoding ----------------------------------------------------------------------------
 
     def can_append(self, seq: KVSequence) -> bool:
