@@ -75,6 +75,49 @@ def test_matches_float64(dtype, norm, heads, kv_heads, dim):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(16, 8, 128, 16), (6, 2, 96, 4)])
+def test_stores_k_and_v_as_store_kvcache(dtype, norm, heads, kv_heads, dim, block_size):
+    """Given the cache, the kernel also writes each token's rotated K and its V into its slot:
+    the same cache as the eager path (rotary, then nano_kvcache's store). Padding slots (-1)
+    and slots past the cache write nothing."""
+    from nano_models.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(dim + norm)
+    tokens, num_blocks = 11, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE, dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
+    rotary = RotaryEmbedding(dim, 512, 10_000.0).to(DEVICE)
+    norms = [RMSNorm(dim, 1e-6).to(DEVICE, dtype) for _ in range(2)] if norm else []
+    for n in norms:
+        n.weight.data = (torch.rand(dim, generator=g) + 0.5).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[3], slots[7] = -1, num_blocks * block_size + 2
+    slots = slots.to(DEVICE)
+
+    def caches():
+        shape = (num_blocks, kv_heads, block_size, dim)
+        k_cache = torch.full(shape, 7.0, dtype=dtype, device=DEVICE)
+        return k_cache, torch.full_like(k_cache, -7.0)
+
+    want_k, want_v = caches()
+    eager = rotary.split_qkv(
+        positions, qkv, heads, kv_heads, *norms, kv_cache=(want_k, want_v, slots)
+    )
+    assert (want_k != 7.0).any() and (want_v != -7.0).any()
+    rotary.fused = qk_norm_rope
+    got_k, got_v = caches()
+    fused = rotary.split_qkv(
+        positions, qkv, heads, kv_heads, *norms, kv_cache=(got_k, got_v, slots)
+    )
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert torch.equal(got_v, want_v)
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, **tol)
+
+
 def test_bad_arguments():
     qkv = torch.randn(4, 10 * 64, device=DEVICE)
     cos_sin = RotaryEmbedding(64, 128, 10_000.0).cos_sin.to(DEVICE)
@@ -83,3 +126,7 @@ def test_bad_arguments():
         qk_norm_rope(qkv, positions, cos_sin, 8, 4)
     with pytest.raises(ValueError, match="both norm weights"):
         qk_norm_rope(qkv, positions, cos_sin, 6, 2, torch.ones(64, device=DEVICE), None)
+    cache = torch.zeros(3, 2, 16, 32, device=DEVICE)  # head_dim 32, not 64
+    slots = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="does not hold"):
+        qk_norm_rope(qkv, positions, cos_sin, 8, 1, kv_cache=(cache, cache, slots))

@@ -73,6 +73,41 @@ def store_kvcache(
     same dtype. slot_mapping: int32/int64 [N]; token i goes to slot ``slot_mapping[i]``; slots
     < 0 are padding and skipped (the CUDA kernel also skips slots past the cache).
     """
+    num_tokens, num_heads, head_dim = check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if not _use_extension(key):
+        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+        return
+    elem = key.element_size()
+    _C.store_kvcache(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        slot_mapping.element_size(),
+        num_tokens,
+        k_cache.shape[0] * k_cache.shape[2],
+        num_heads,
+        head_dim * elem,
+        key.stride(0) * elem,
+        key.stride(1) * elem,
+        value.stride(0) * elem,
+        value.stride(1) * elem,
+        k_cache.shape[2],
+        key.device.index,
+        _stream(key.device),
+    )
+
+
+def check_store_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Raise ValueError unless ``store_kvcache`` can take these; returns (tokens, kv heads,
+    head_dim). (Also for kernels that store K/V themselves.)"""
     # Messages are formatted only on failure: this runs once per layer and step.
     if key.dim() != 3:
         raise ValueError(f"key must be [N, num_kv_heads, head_dim], got {tuple(key.shape)}")
@@ -106,29 +141,7 @@ def store_kvcache(
         raise ValueError("the caches must be contiguous")
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous")
-    if not _use_extension(key):
-        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
-        return
-    elem = key.element_size()
-    _C.store_kvcache(
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slot_mapping.data_ptr(),
-        slot_mapping.element_size(),
-        num_tokens,
-        k_cache.shape[0] * k_cache.shape[2],
-        num_heads,
-        head_dim * elem,
-        key.stride(0) * elem,
-        key.stride(1) * elem,
-        value.stride(0) * elem,
-        value.stride(1) * elem,
-        k_cache.shape[2],
-        key.device.index,
-        _stream(key.device),
-    )
+    return num_tokens, num_heads, head_dim
 
 
 def store_kvcache_torch(

@@ -184,10 +184,23 @@ class Attention(nn.Module):
         if backend is not None:
             self.backend = backend
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, slot_mapping): where this step's K and V go."""
         if self.k_cache is None:
             raise RuntimeError("the attention layer has no KV cache: call model.bind_kv_cache")
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        return self.k_cache, self.v_cache, ctx.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        stored: bool = False,
+    ) -> torch.Tensor:
+        """Attention of q over the cache; k and v are stored in it first unless ``stored``
+        (the caller did, as the fused rotary kernel does)."""
+        k_cache, v_cache, slots = self.cache(ctx)
+        if not stored:
+            ops.store_kvcache(k, v, k_cache, v_cache, slots)
+        return self.backend.forward(q, k, v, k_cache, v_cache, ctx, self.scale)

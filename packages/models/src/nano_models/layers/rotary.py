@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nano_kvcache import ops
+
 # rope type -> (inverse frequencies [head_dim / 2], attention factor scaling cos and sin)
 RopeFn = Callable[[dict, int, float, int], tuple[torch.Tensor, float]]
 ROPE_SCALING: dict[str, RopeFn] = {}
@@ -126,21 +128,28 @@ class RotaryEmbedding(nn.Module):
         num_kv_heads: int,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [T, (kv_)heads, head_dim] of a qkv projection's output [T, (heads + 2 *
-        kv_heads) * head_dim], q and k rotated, after the per-head RMSNorms when given."""
+        kv_heads) * head_dim], q and k rotated, after the per-head RMSNorms when given. With
+        ``kv_cache`` (k_cache, v_cache, slot_mapping) k and v are also stored in the cache (by
+        the fused kernel itself, when there is one)."""
         head_dim = self.cos_sin.shape[1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)
         if self.fused is not None:
             norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
-            q, k = self.fused(qkv, positions, self.cos_sin, num_heads, num_kv_heads, *norm)
+            q, k = self.fused(
+                qkv, positions, self.cos_sin, num_heads, num_kv_heads, *norm, kv_cache=kv_cache
+            )
             return q, k, v
         q = qkv[:, :q_size].view(-1, num_heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = self.fn(self.cos_sin, positions, q, k)
+        if kv_cache is not None:
+            ops.store_kvcache(k, v, *kv_cache)
         return q, k, v
 
 

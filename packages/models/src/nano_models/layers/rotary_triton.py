@@ -10,22 +10,29 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_kvcache import ops
+
 
 @triton.jit
 def _norm_rotate(
     src,
     dst,
+    cache,
     num_heads,
     weight,
     cos,
     sin,
     eps,
+    stride_ch,
+    keep,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One token's heads at src (head_dim = 2 * HALF apart) -> dst, contiguous."""
+    """One token's heads at src (head_dim = 2 * HALF apart) -> dst, contiguous, and with STORE
+    -> cache (heads stride_ch apart: the token's cache row) where keep."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_HALF)
     mask = (h < num_heads)[:, None] & (c < HALF)[None, :]
@@ -41,8 +48,14 @@ def _norm_rotate(
         w2 = tl.load(weight + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(dst + offsets, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + offsets + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(dst + offsets, y1, mask=mask)
+    tl.store(dst + offsets + HALF, y2, mask=mask)
+    if STORE:
+        cached = h[:, None] * stride_ch + c[None, :]
+        tl.store(cache + cached, y1, mask=mask & keep)
+        tl.store(cache + cached + HALF, y2, mask=mask & keep)
 
 
 @triton.jit
@@ -54,12 +67,21 @@ def _qk_norm_rope_kernel(
     cos_sin,
     q_weight,
     k_weight,
+    k_cache,
+    v_cache,
+    slot_mapping,
     stride_qkv,
     stride_cs,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    block_size,
+    num_slots,
     num_q,
     num_k,
     eps,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
@@ -73,9 +95,55 @@ def _qk_norm_rope_kernel(
     row = qkv + t * stride_qkv
     head_dim = 2 * HALF
     q_dst, k_dst = q_out + t * num_q * head_dim, k_out + t * num_k * head_dim
-    _norm_rotate(row, q_dst, num_q, q_weight, cos, sin, eps, HAS_NORM, BLOCK_Q, HALF, BLOCK_HALF)
+    _norm_rotate(
+        row,
+        q_dst,
+        q_dst,
+        num_q,
+        q_weight,
+        cos,
+        sin,
+        eps,
+        0,
+        False,
+        HAS_NORM,
+        False,
+        BLOCK_Q,
+        HALF,
+        BLOCK_HALF,
+    )
     k_src = row + num_q * head_dim
-    _norm_rotate(k_src, k_dst, num_k, k_weight, cos, sin, eps, HAS_NORM, BLOCK_K, HALF, BLOCK_HALF)
+    # With STORE the token's K and V also go to its cache slot (slots < 0 are padding, skipped,
+    # as are slots past the cache).
+    keep = False
+    offset = 0
+    if STORE:
+        slot = tl.load(slot_mapping + t).to(tl.int64)
+        keep = (slot >= 0) & (slot < num_slots)
+        offset = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+    _norm_rotate(
+        k_src,
+        k_dst,
+        k_cache + offset,
+        num_k,
+        k_weight,
+        cos,
+        sin,
+        eps,
+        stride_ch,
+        keep,
+        HAS_NORM,
+        STORE,
+        BLOCK_K,
+        HALF,
+        BLOCK_HALF,
+    )
+    if STORE:
+        h = tl.arange(0, BLOCK_K)
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        mask = (h < num_k)[:, None] & (d < head_dim)[None, :] & keep
+        v = tl.load(k_src + num_k * head_dim + h[:, None] * head_dim + d[None, :], mask=mask)
+        tl.store(v_cache + offset + h[:, None] * stride_ch + d[None, :], v, mask=mask)
 
 
 def qk_norm_rope(
@@ -87,12 +155,16 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k of the qkv projection's output, (normalized and) rotated.
 
     qkv [T, (heads + 2 * kv_heads) * head_dim], rows contiguous; positions [T] int64; cos_sin
     [max_positions, head_dim] float32 (cos then sin); q_weight, k_weight [head_dim] (both or
-    neither). Returns q [T, heads, head_dim] and k [T, kv_heads, head_dim] in qkv's dtype.
+    neither). With ``kv_cache`` = (k_cache, v_cache, slot_mapping) the kernel also writes each
+    token's K and V into its slot, as ``nano_kvcache.ops.store_kvcache`` would (one kernel
+    less per layer). Returns q [T, heads, head_dim] and k [T, kv_heads, head_dim] in qkv's
+    dtype.
     """
     tokens = qkv.shape[0]
     head_dim = cos_sin.shape[1]
@@ -102,6 +174,14 @@ def qk_norm_rope(
         raise ValueError("give both norm weights or neither")
     q = qkv.new_empty(tokens, num_heads, head_dim)
     k = qkv.new_empty(tokens, num_kv_heads, head_dim)
+    if kv_cache is not None:
+        k_cache, v_cache, slots = kv_cache
+        ops.check_store_args(k, k, k_cache, v_cache, slots)
+        strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        block_size, num_slots = k_cache.shape[2], k_cache.shape[0] * k_cache.shape[2]
+    else:
+        k_cache = v_cache = slots = qkv  # unused
+        strides, block_size, num_slots = (0, 0, 0), 1, 0
     if tokens:
         has_norm = q_weight is not None
         _qk_norm_rope_kernel[(tokens,)](
@@ -112,12 +192,19 @@ def qk_norm_rope(
             cos_sin,
             q_weight if has_norm else cos_sin,
             k_weight if has_norm else cos_sin,
+            k_cache,
+            v_cache,
+            slots,
             qkv.stride(0),
             cos_sin.stride(0),
+            *strides,
+            block_size,
+            num_slots,
             num_heads,
             num_kv_heads,
             eps,
             HAS_NORM=has_norm,
+            STORE=kv_cache is not None,
             BLOCK_Q=triton.next_power_of_2(num_heads),
             BLOCK_K=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,

@@ -55,8 +55,12 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         qkv = self.qkv_proj(x)
-        q, k, v = self.rotary.split_qkv(positions, qkv, self.num_heads, self.num_kv_heads, *norms)
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+        # K and V go to the cache with the rotation (one kernel less per layer when fused).
+        cache = self.attn.cache(ctx)
+        q, k, v = self.rotary.split_qkv(
+            positions, qkv, self.num_heads, self.num_kv_heads, *norms, kv_cache=cache
+        )
+        return self.o_proj(self.attn(q, k, v, ctx, stored=True).flatten(1))
 
 
 class DecoderMLP(nn.Module):
