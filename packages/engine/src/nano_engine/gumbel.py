@@ -28,6 +28,23 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _best_of(logits, start, vocab, inv_t, bits, QUARTER: tl.constexpr):
+        """The best key and its token among columns start .. start + QUARTER, with Gumbel
+        noise from 32 random bits per column."""
+        cols = start + tl.arange(0, QUARTER)
+        x = tl.load(logits + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        # u == 0 gives -inf noise, and that token loses: fine (probability 2^-24 per token).
+        gumbel = -tl.log(-tl.log(tl.uint_to_uniform_float(bits)))
+        key = tl.where(inv_t > 0, x * inv_t + gumbel, x)
+        key = tl.where(cols < vocab, key, float("-inf"))
+        return tl.max(key, 0), tl.argmax(key, 0).to(tl.int32) + start
+
+    @triton.jit
+    def _better(best, best_id, key, token):
+        better = key > best
+        return tl.where(better, key, best), tl.where(better, token, best_id)
+
+    @triton.jit
     def _gumbel_argmax_kernel(
         logits,
         stride,
@@ -40,28 +57,30 @@ if triton is not None:
         BLOCK: tl.constexpr,
         TILES: tl.constexpr,
     ):
-        """The best key and its token over one slice of a row's vocabulary."""
+        """The best key and its token over one slice of a row's vocabulary. Philox gives four
+        32-bit numbers per call, one for each quarter of a tile (the generator, not the
+        memory, bounds this pass): a column's noise depends on its index alone, so on no
+        split."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         inv_t = tl.load(inv_temperature + row)  # 0 marks a greedy row
         seed = tl.load(seeds + row)
+        row_logits = logits + row * stride
         best = tl.full((), float("-inf"), tl.float32)
         best_id = tl.full((), 0, tl.int32)
+        quarter: tl.constexpr = BLOCK // 4
         for tile in range(TILES):
             start = (split * TILES + tile) * BLOCK
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
-            x = x.to(tl.float32)
-            u = tl.rand(seed, cols)  # keyed by the column: the same noise for any split
-            # u == 0 gives -inf noise, and that token loses: fine (probability 2^-24 per token).
-            gumbel = -tl.log(-tl.log(u))
-            key = tl.where(inv_t > 0, x * inv_t + gumbel, x)
-            key = tl.where(cols < vocab, key, float("-inf"))
-            tile_best = tl.max(key, 0)
-            tile_id = tl.argmax(key, 0).to(tl.int32) + start
-            better = tile_best > best
-            best_id = tl.where(better, tile_id, best_id)
-            best = tl.where(better, tile_best, best)
+            r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, quarter))
+            # In column order, strictly better only: the first best on a tie, as argmax.
+            key, token = _best_of(row_logits, start, vocab, inv_t, r0, quarter)
+            best, best_id = _better(best, best_id, key, token)
+            key, token = _best_of(row_logits, start + quarter, vocab, inv_t, r1, quarter)
+            best, best_id = _better(best, best_id, key, token)
+            key, token = _best_of(row_logits, start + 2 * quarter, vocab, inv_t, r2, quarter)
+            best, best_id = _better(best, best_id, key, token)
+            key, token = _best_of(row_logits, start + 3 * quarter, vocab, inv_t, r3, quarter)
+            best, best_id = _better(best, best_id, key, token)
         tl.store(best_keys + row * num_splits + split, best)
         tl.store(best_ids + row * num_splits + split, best_id)
 
