@@ -280,6 +280,8 @@ class LLMEngine:
         """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``): prompts
         seen before are computed again, as in benchmark runs that repeat a workload. Returns
         the number of blocks forgotten."""
+        if threading.current_thread() is self._thread:  # (from the loop itself: no waiting)
+            return self.scheduler.block_manager.reset_prefix_cache()
         done: Future[int] = Future()
         with self._cond:
             if self.error is not None:

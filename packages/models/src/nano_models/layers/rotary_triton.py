@@ -1,8 +1,8 @@
 """Rotary for q and k, with the per-head RMSNorm some models apply first (Qwen3), in one Triton
 kernel: a program per token reads its q and k heads from the qkv projection's output and writes
-them normalized and rotated. It rounds to the model's dtype where the eager functions do
-(``rms_norm``, ``apply_rotary``), so it matches them; in a decode step it replaces four kernels
-per layer."""
+them normalized and rotated, and given the cache, writes K and V into it too. It rounds to the
+model's dtype where the eager functions do (``rms_norm``, ``apply_rotary``), so it matches
+them; in a decode step it replaces five kernels per layer (the norms, the rotary, the store)."""
 
 from __future__ import annotations
 
