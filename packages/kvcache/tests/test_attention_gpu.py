@@ -202,21 +202,27 @@ def test_decode_in_a_cuda_graph_with_changing_lengths():
         check(out, ref, torch.bfloat16)
 
 
-def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
-    """In a mixed batch the decodes' metadata are slices at any offset and the block-table
-    width follows the batch; none of that may compile another kernel (0.3-0.8 s each)."""
+@pytest.fixture
+def compiled(monkeypatch):
+    """The Triton kernels compiled (or loaded from disk) while the test runs."""
     if DEVICE != "cuda":
         pytest.skip("compilation happens on the GPU only")
     import triton
 
-    from nano_kvcache.attention import paged_decode, paged_prefill
-
     if not hasattr(triton, "knobs"):
         pytest.skip("the compile hook needs Triton >= 3.4")
-    compiled = []
+    names = []
     monkeypatch.setattr(
-        triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: compiled.append(k.get("repr"))
+        triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: names.append(k.get("repr"))
     )
+    return names
+
+
+def test_mixed_batch_slices_compile_nothing_new(compiled):
+    """In a mixed batch the decodes' metadata are slices at any offset and the block-table
+    width follows the batch; none of that may compile another kernel (0.3-0.8 s each)."""
+    from nano_kvcache.attention import paged_decode, paged_prefill
+
     g = torch.Generator(device="cuda").manual_seed(1)
     k_cache, v_cache = make_cache(400, 8, 16, 128, torch.bfloat16, g)
     rng = random.Random(3)
@@ -265,21 +271,11 @@ def test_mixed_batch_slices_compile_nothing_new(monkeypatch):
     assert compiled == []
 
 
-def test_prefill_token_counts_compile_nothing_new(monkeypatch):
+def test_prefill_token_counts_compile_nothing_new(compiled):
     """Each prefill step has its own number of tokens (the TMA descriptors' shape) and its own
     offsets of the new K/V: none of it may compile another kernel."""
-    if DEVICE != "cuda":
-        pytest.skip("compilation happens on the GPU only")
-    import triton
-
     from nano_kvcache.attention import paged_prefill
 
-    if not hasattr(triton, "knobs"):
-        pytest.skip("the compile hook needs Triton >= 3.4")
-    compiled = []
-    monkeypatch.setattr(
-        triton.knobs.runtime, "jit_cache_hook", lambda *a, **k: compiled.append(k.get("repr"))
-    )
     g = torch.Generator(device="cuda").manual_seed(2)
     rng = random.Random(4)
     for step, chunks in enumerate([[(40, 0), (3, 20)], [(129, 7)], [(1, 0), (17, 0), (300, 33)]]):

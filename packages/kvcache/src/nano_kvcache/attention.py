@@ -15,6 +15,7 @@ Both accumulate in fp32 with an online softmax (base-2 exponentials).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -512,6 +513,7 @@ def _tma_layout(x: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
 def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -568,10 +570,9 @@ def paged_prefill(
     if tokens == 0 or num_seqs == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    layout_ok = _tma_layout(k) and _tma_layout(v)
     if tma is None:
-        tma = layout_ok and _has_tma(q.device)
-    elif tma and not layout_ok:
+        tma = _has_tma(q.device) and _tma_layout(k) and _tma_layout(v)
+    elif tma and not (_tma_layout(k) and _tma_layout(v)):
         raise ValueError(
             "tma=True needs k and v with 16-byte aligned rows of kv_heads x head_dim contiguous "
             f"values, head_dim a power of two, and Triton >= 3.4 (got strides {k.stride()} and "

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, through a pluggable backend.
 
-The layer stores the new tokens' K and V in its cache (``nano_kvcache.ops.store_kvcache``) and
-hands q, k, v, the caches and the ``ForwardContext`` to its backend. Backends register by name;
+The new tokens' K and V reach the layer's cache with the rotary (``RotaryEmbedding.split_qkv``,
+``cache(ctx)`` says where); the layer hands q, k, v, the caches and the ``ForwardContext`` to its
+backend. Backends register by name;
 ``torch`` is the reference: correct on CPU and GPU for prefill, prefill over a cached prefix,
 chunked prefill, decode and mixed batches.
 """
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nano_kvcache import ops
 from nano_models.context import ForwardContext
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -162,8 +162,9 @@ class TorchAttention(AttentionBackend):
 
 
 class Attention(nn.Module):
-    """Stores K/V of the new tokens in this layer's cache, then attends through the backend.
-    ``bind`` gives it its cache views and backend (the runner does, once)."""
+    """Attends through the backend over this layer's cache, which the new tokens' K/V reach
+    first (``cache(ctx)``). ``bind`` gives it its cache views and backend (the runner does,
+    once)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -191,16 +192,9 @@ class Attention(nn.Module):
         return self.k_cache, self.v_cache, ctx.slot_mapping
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ctx: ForwardContext,
-        stored: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Attention of q over the cache; k and v are stored in it first unless ``stored``
-        (the caller did, as the fused rotary kernel does)."""
-        k_cache, v_cache, slots = self.cache(ctx)
-        if not stored:
-            ops.store_kvcache(k, v, k_cache, v_cache, slots)
+        """Attention of q over the cache, which already holds k and v (``cache(ctx)`` says
+        where they go; ``RotaryEmbedding.split_qkv`` stores them there)."""
+        k_cache, v_cache, _ = self.cache(ctx)
         return self.backend.forward(q, k, v, k_cache, v_cache, ctx, self.scale)

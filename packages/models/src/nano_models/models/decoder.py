@@ -60,7 +60,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.rotary.split_qkv(
             positions, qkv, self.num_heads, self.num_kv_heads, *norms, kv_cache=cache
         )
-        return self.o_proj(self.attn(q, k, v, ctx, stored=True).flatten(1))
+        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
 
 
 class DecoderMLP(nn.Module):
