@@ -1,9 +1,11 @@
 """Paged attention kernels on the GPU against the machine's own ceilings, in one run.
 
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block size 16):
-- decode at batch 256 x context 1k and batch 16 x context 8k: effective bandwidth (KV bytes
-  read / time) against a device-to-device copy, and torch's flash attention (SDPA) over a
-  contiguous cache at the same shape (target: >= 3.2 TB/s);
+- decode at batch 256 x context 1k and batch 16 x context 8k (and ragged batches of 256 and 64
+  with contexts of 100-2,000, as in nano-vllm's benchmark): effective bandwidth (KV bytes read
+  / time) against a device-to-device copy, the sequences taken longest first (as the engine
+  does) and in batch order, and torch's flash attention (SDPA) over a contiguous cache at the
+  uniform shapes (target: >= 3.2 TB/s);
 - prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached):
   attention FLOP/s against an 8k bf16 matmul (target: >= 60% of it), with and without TMA
   loads of the new tokens' K/V, and where nothing is cached torch's varlen flash attention and
@@ -17,11 +19,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import random
 
 import torch
 from triton.testing import do_bench
 
 from nano_kvcache.attention import paged_decode, paged_prefill
+from nano_models.context import longest_first
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -49,28 +53,35 @@ def paged_cache(num_tokens: int):
     return k, v, torch.randperm(num_blocks, device="cuda").int()
 
 
-def decode(batch: int, context: int) -> dict:
-    k, v, perm = paged_cache(batch * context)
-    per_seq = context // BLOCK
+def decode(lens: list[int]) -> dict:
+    """Decode over contexts of these lengths: the sequences taken longest first (as the engine
+    does) and in batch order; torch's flash attention over a contiguous cache where they are
+    all the same length."""
+    batch, per_seq = len(lens), -(-max(lens) // BLOCK)
+    k, v, perm = paged_cache(batch * per_seq * BLOCK)
     tables = perm[: batch * per_seq].view(batch, per_seq).contiguous()
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order = torch.tensor(longest_first(lens), dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    t = ms(lambda: paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5, out=out))
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-    # torch's flash attention over a contiguous cache of the same shape.
-    kc = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=DTYPE)
-    vc = torch.randn_like(kc)
-    qc = q.unsqueeze(2)
-    sdpa = ms(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True))
-    return {
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2
+    result = {
         "batch": batch,
-        "context": context,
-        "triton_us": t * 1e3,
-        "triton_tbps": kv_bytes / (t * 1e-3) / 1e12,
-        "sdpa_us": sdpa * 1e3,
-        "sdpa_tbps": kv_bytes / (sdpa * 1e-3) / 1e12,
+        "context": f"{min(lens)}-{max(lens)}" if min(lens) < max(lens) else max(lens),
     }
+    for name, o in (("triton", order), ("batch_order", None)):
+        t = ms(
+            lambda o=o: paged_decode(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, out=out, order=o)
+        )
+        result[f"{name}_us"], result[f"{name}_tbps"] = t * 1e3, kv_bytes / (t * 1e-3) / 1e12
+    if min(lens) == max(lens):  # torch's flash attention over a contiguous cache
+        kc = torch.randn(batch, KV_HEADS, lens[0], HEAD_DIM, device="cuda", dtype=DTYPE)
+        vc = torch.randn_like(kc)
+        qc = q.unsqueeze(2)
+        f = torch.nn.functional.scaled_dot_product_attention
+        t = ms(lambda: f(qc, kc, vc, enable_gqa=True))
+        result["sdpa_us"], result["sdpa_tbps"] = t * 1e3, kv_bytes / (t * 1e-3) / 1e12
+    return result
 
 
 # Prefill tiles tried: (block_m, block_n, num_warps, num_stages), block_n dividing block_m.
@@ -173,17 +184,28 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     limits = ceilings()
-    decodes = [decode(256, 1024), decode(16, 8192)]
+    ragged = random.Random(0)
+    decodes = [
+        decode([1024] * 256),
+        decode([8192] * 16),
+        decode([ragged.randint(100, 2000) for _ in range(256)]),
+        decode([ragged.randint(100, 2000) for _ in range(64)]),
+    ]
     prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]
     print(
         f"attention kernels on {torch.cuda.get_device_name()}: copy "
         f"{limits['copy_tbps']:.2f} TB/s, bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s"
     )
-    print(f"{'decode':>16} {'triton TB/s':>12} {'of copy':>8} {'sdpa TB/s':>10}")
+    print(
+        f"{'decode (batch x context)':>24} {'triton TB/s':>12} {'of copy':>8} "
+        f"{'in batch order':>15} {'sdpa TB/s':>10}"
+    )
     for r in decodes:
+        sdpa = f"{r['sdpa_tbps']:.2f}" if "sdpa_tbps" in r else "-"
         print(
-            f"{r['batch']:>6} x {r['context']:>6} {r['triton_tbps']:12.2f} "
-            f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['sdpa_tbps']:10.2f}"
+            f"{r['batch']:>11} x {r['context']:>10} {r['triton_tbps']:12.2f} "
+            f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['batch_order_tbps']:15.2f} "
+            f"{sdpa:>10}"
         )
     print(
         f"{'prefill (new/cached)':>24} {'Triton TFLOP/s':>15} {'of matmul':>10} {'best tile':>18} "

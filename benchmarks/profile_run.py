@@ -22,7 +22,7 @@ from nano_engine.cli import bench_workload
 KINDS = [  # (kind, name fragments), first match wins
     ("attention decode", ("_decode_kernel", "_merge_kernel")),
     ("attention prefill", ("_prefill_kernel",)),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitk")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitK")),
     ("sampler", ("_gumbel", "softmax", "argmax", "exponential", "sort")),
     ("KV store", ("store_kvcache",)),
     ("norm/rotary/act (inductor)", ("triton_",)),
@@ -72,13 +72,18 @@ def main() -> None:
         if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
     ]
     events.sort(key=lambda e: e.start_ns())
-    busy, cursor = 0, events[0].start_ns()
+    busy, cursor, previous = 0, events[0].start_ns(), events[0].name()
     gaps = defaultdict(float)  # idle time between kernels, by the length of the gap
+    long_gaps = []  # (seconds, offset into the run, the kernels before and after)
     for e in events:
         begin, end = max(e.start_ns(), cursor), e.start_ns() + e.duration_ns()
         if e.start_ns() > cursor:
             gap = e.start_ns() - cursor
             gaps[next(b for b in (5e3, 50e3, 500e3, float("inf")) if gap < b)] += gap / 1e9
+            if gap >= 500e3:
+                offset = (cursor - events[0].start_ns()) / 1e9
+                long_gaps.append((gap / 1e9, offset, previous, e.name()))
+        previous = e.name() if end > cursor else previous
         busy += max(0, end - begin)
         cursor = max(cursor, end)
     span = (events[-1].start_ns() + events[-1].duration_ns() - events[0].start_ns()) / 1e9
@@ -102,13 +107,21 @@ def main() -> None:
             for b in (5e3, 50e3, 500e3, float("inf"))
         )
     )
+    if long_gaps:
+        print(f"{len(long_gaps)} gaps of 0.5 ms or more; the longest:")
+        for gap, offset, before, after in sorted(long_gaps, reverse=True)[:8]:
+            print(f"  {gap * 1e3:7.2f} ms at {offset:6.3f} s: {before[:40]} -> {after[:40]}")
+        tenths = defaultdict(float)
+        for gap, offset, _, _ in long_gaps:
+            tenths[min(9, int(offset / span * 10))] += gap
+        print("  by tenth of the run (s): " + " ".join(f"{tenths[i]:.3f}" for i in range(10)))
     print(f"{'kind':32} {'seconds':>8} {'share':>6}")
     total = sum(by_kind.values())
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{kind:32} {seconds:8.3f} {seconds / total:6.1%}")
-    print(f"\n{'kernel (top by time)':70} {'seconds':>8} {'count':>7}")
+    print(f"\n{'kernel (top by time)':60} {'kind':12} {'seconds':>8} {'count':>7}")
     for name, (seconds, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
-        print(f"{name[:70]:70} {seconds:8.3f} {count:7d}")
+        print(f"{name[:60]:60} {kind_of(name)[:12]:12} {seconds:8.3f} {count:7d}")
 
     # Each step with decodes launches the decode kernel once per layer, in step order.
     decode = [e.duration_ns() / 1e9 for e in events if "_decode_kernel" in e.name()]

@@ -5,6 +5,8 @@ async scheduling (each step's tokens read before the next step is scheduled)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
 
@@ -61,3 +63,15 @@ def test_reset_prefix_cache_computes_repeated_prompts_again(reference):
         assert blocks.hit_tokens - hits == first  # as the first run: nothing from before
         assert llm.reset_prefix_cache() > 0 and blocks.num_cached_free_blocks == 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_the_collector_skips_the_model_while_the_engine_lives(checkpoints):
+    """A full collection walks every tracked object; the runner's (model, compiled code) are
+    frozen out of it after start-up, and handed back at shutdown so cycles among them can go."""
+    with LLM(checkpoints("qwen3")) as llm:
+        module = next(llm.engine.runner.model.modules())
+        assert not any(o is module for o in gc.get_objects())
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    assert gc.get_freeze_count() == 0
+    assert any(o is module for o in gc.get_objects())

@@ -104,19 +104,25 @@ def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens):
     ref = paged_attention_reference(
         q, k_cache, v_cache, tables, [1] * len(lens), lens, head_dim**-0.5
     )
+    # The programs may take the sequences in any order (longest first in the engine).
+    shuffled = list(range(len(lens)))
+    rng.shuffle(shuffled)
+    order = torch.tensor(shuffled, dtype=torch.int32, device=DEVICE)
     for splits in sorted({1, 4, decode_splits(len(lens), kv_heads)}):
-        out = torch.full_like(q, float("nan"))
-        paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            padded(tables),
-            seq_lens,
-            head_dim**-0.5,
-            out=out,
-            num_splits=splits,
-        )
-        check(out, ref, dtype)
+        for seq_order in (None, order):
+            out = torch.full_like(q, float("nan"))
+            paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                padded(tables),
+                seq_lens,
+                head_dim**-0.5,
+                out=out,
+                num_splits=splits,
+                order=seq_order,
+            )
+            check(out, ref, dtype)
 
 
 PREFILL_CASES = [
@@ -189,13 +195,15 @@ def test_decode_in_a_cuda_graph_with_changing_lengths():
     q = torch.randn(8, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
     tables = torch.arange(8 * 64, dtype=torch.int32, device="cuda").view(8, 64)
     seq_lens = torch.ones(8, dtype=torch.int32, device="cuda")
+    order = torch.arange(8, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+    paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out, order=order)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out, order=order)
     for lens in ([1, 2, 3, 4, 5, 6, 7, 8], [1000, 17, 300, 1024, 5, 999, 64, 65]):
         seq_lens.copy_(torch.tensor(lens))
+        order.copy_(torch.tensor(sorted(range(8), key=lens.__getitem__, reverse=True)))
         out.fill_(float("nan"))
         graph.replay()
         ref = paged_attention_reference(q, k_cache, v_cache, tables.tolist(), [1] * 8, lens, 0.088)

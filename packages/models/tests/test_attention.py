@@ -136,3 +136,10 @@ def test_gpu_backends_match_the_reference(backend, dtype):
     )
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 2e-2, err
+
+
+def test_context_lists_the_decodes_longest_first():
+    ctx = ForwardContext.build(
+        [4, 1, 1, 1, 1], [4, 7, 30, 7, 2], [[0], [1], [2, 3], [4], [5]], 16, num_prefills=1
+    )
+    assert ctx.decode_order.tolist() == [1, 0, 2, 3]  # ties keep their order

@@ -85,7 +85,7 @@ if triton is not None:
         tl.store(best_ids + row * num_splits + split, best_id)
 
     @triton.jit
-    def _merge_kernel(best_keys, best_ids, out, num_splits, SPLITS: tl.constexpr):
+    def _gumbel_merge_kernel(best_keys, best_ids, out, num_splits, SPLITS: tl.constexpr):
         """The row's token: the best of its slices (the first one on a tie, as argmax)."""
         row = tl.program_id(0)
         s = tl.arange(0, SPLITS)
@@ -122,5 +122,5 @@ def gumbel_argmax(
             BLOCK=_BLOCK,
             TILES=_TILES,
         )
-        _merge_kernel[(rows,)](keys, ids, out, splits, SPLITS=triton.next_power_of_2(splits))
+        _gumbel_merge_kernel[(rows,)](keys, ids, out, splits, SPLITS=triton.next_power_of_2(splits))
     return out

@@ -7,6 +7,7 @@ positions on the device (``nano_kvcache.ops.compute_slot_mapping``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from array import array
@@ -20,6 +21,7 @@ from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
 from nano_models.compile import compile_layers
 from nano_models.config import DTYPES
+from nano_models.context import longest_first
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
 from nano_scheduler import PENDING_TOKEN, SchedulerOutput
@@ -164,6 +166,11 @@ class ModelRunner:
                     "attention backend %s cannot run in CUDA graphs: eager decode",
                     self.backend.name,
                 )
+        # Everything built so far (the model, compiled code, graphs: millions of objects) lives
+        # as long as the runner. Frozen, the cyclic collector no longer walks it: a full
+        # collection in the middle of a run took ~0.2 s (as vLLM does after start-up).
+        gc.collect()
+        gc.freeze()
 
     # ---- KV cache sizing ---------------------------------------------------------------------
 
@@ -261,9 +268,8 @@ class ModelRunner:
         self.graphs = None
         self.kv_cache = None
         self.model = None
+        gc.unfreeze()  # what only cycles keep alive can go now
         if self.device.type == "cuda":
-            import gc
-
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -285,6 +291,8 @@ class ModelRunner:
         flat.extend(step.logits_rows)
         flat.extend(step.pending_positions)
         flat.extend(step.pending_rows)
+        num_decodes = num_seqs - step.num_prefills
+        flat.extend(longest_first(step.seq_lens[step.num_prefills :]))
         pad = array("i", [-1]) * width
         for table in step.block_tables:
             flat.extend(table)
@@ -296,8 +304,8 @@ class ModelRunner:
             packed = packed.clone()
         t, num_pending = len(step.input_ids), len(step.pending_rows)
         sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows)]
-        sizes += [num_pending, num_pending, num_seqs * width]
-        ids, qsl_t, lens_t, start_t, rows_t, pos_t, prev_t, tables_t = packed.split(sizes)
+        sizes += [num_pending, num_pending, num_decodes, num_seqs * width]
+        ids, qsl_t, lens_t, start_t, rows_t, pos_t, prev_t, order_t, tables_t = packed.split(sizes)
         tables_t = tables_t.view(num_seqs, width)
         if num_pending:
             if previous is None:
@@ -307,7 +315,7 @@ class ModelRunner:
         ctx = ForwardContext(
             num_prefills=step.num_prefills,
             num_prefill_tokens=qsl[step.num_prefills],
-            num_decodes=num_seqs - step.num_prefills,
+            num_decodes=num_decodes,
             query_start_loc=qsl_t,
             seq_lens=lens_t,
             block_tables=tables_t,
@@ -317,6 +325,7 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens,
             max_query_len=max(step.query_lens),
             max_seq_len=max(step.seq_lens),
+            decode_order=order_t,
         )
         return ids, positions, ctx
 
@@ -354,6 +363,8 @@ class DecodeGraphs:
         self.tables = torch.full((biggest, self.width), -1, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(biggest + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(biggest, dtype=torch.int64, device=dev)
+        self.order = torch.arange(biggest, dtype=torch.int32, device=dev)
+        self.identity = torch.arange(biggest, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
         start = time.perf_counter()
         pool = None
@@ -390,6 +401,7 @@ class DecodeGraphs:
             seq_lens_cpu=[0] * size,
             max_query_len=1,
             max_seq_len=self.runner.max_model_len,
+            decode_order=self.order[:size],
         )
 
     def fits(self, step: StepInput) -> bool:
@@ -407,6 +419,8 @@ class DecodeGraphs:
         self.slots[batch:size].fill_(-1)
         self.seq_lens[:batch].copy_(ctx.seq_lens)
         self.seq_lens[batch:size].fill_(0)
+        self.order[:batch].copy_(ctx.decode_order)
+        self.order[batch:size].copy_(self.identity[batch:size])  # the padding rows, once each
         width = ctx.block_tables.shape[1]
         self.tables[:batch, :width].copy_(ctx.block_tables)
         graph, hidden, _ = self.graphs[size]

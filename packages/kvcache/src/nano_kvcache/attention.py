@@ -129,13 +129,14 @@ def _metadata_jit(pointers: list[str]):
     return triton.jit(**options)
 
 
-@_metadata_jit(["block_tables", "seq_lens"])
+@_metadata_jit(["block_tables", "seq_lens", "order"])
 def _decode_kernel(
     q_ptr,
     k_cache,
     v_cache,
     block_tables,
     seq_lens,
+    order,
     out_ptr,
     part_ml,
     part_acc,
@@ -154,12 +155,19 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # One grid axis with the sequence slowest: the programs of a sequence (its kv heads and
+    # splits) start together and read neighbouring memory (a block holds every kv head).
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    kv_head = (pid // NUM_SPLITS) % KV_HEADS
+    seq = pid // (NUM_SPLITS * KV_HEADS)
+    if ORDERED:  # longest first, so that the last programs to start are short
+        seq = tl.load(order + seq)
     length = tl.load(seq_lens + seq)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -211,7 +219,7 @@ def _decode_kernel(
         )
     else:
         # Partials of this split: [seq, head, split] running max and sum, and the accumulator.
-        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        part = (seq * (GROUP * KV_HEADS) + heads) * NUM_SPLITS + split
         tl.store(part_ml + part * 2, m_i, mask=g_mask)
         tl.store(part_ml + part * 2 + 1, l_i, mask=g_mask)
         tl.store(part_acc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
@@ -279,6 +287,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -301,12 +310,13 @@ def paged_decode(
         )
     else:
         part_ml = part_acc = out  # unused
-    _decode_kernel[(batch, kv_heads, splits)](
+    _decode_kernel[(batch * kv_heads * splits,)](
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if order is None else order,
         out,
         part_ml,
         part_acc,
@@ -325,7 +335,9 @@ def paged_decode(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        KV_HEADS=kv_heads,
         NUM_SPLITS=splits,
+        ORDERED=order is not None,
         PRECISION=_precision(q),
         num_warps=4,
         num_stages=2,

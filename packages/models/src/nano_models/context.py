@@ -18,6 +18,9 @@ class ForwardContext:
       block_tables     int32 [B, M]   physical blocks of each sequence, -1 padded
       slot_mapping     int64 [T]      cache slot of each new token, -1 for padding
       logits_indices   int64 [S]      rows of the hidden states that reach the LM head
+      decode_order     int32 [D]      the decodes (0 = the first decode) by context length,
+                                      longest first: a kernel that takes them in this order
+                                      starts the long ones early (optional)
     Host copies (for code that loops over sequences without a device sync):
       query_start_loc_cpu, seq_lens_cpu
     """
@@ -34,6 +37,7 @@ class ForwardContext:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -81,4 +85,12 @@ class ForwardContext:
             seq_lens_cpu=list(seq_lens),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            decode_order=torch.tensor(
+                longest_first(seq_lens[num_prefills:]), dtype=torch.int32, device=device
+            ),
         )
+
+
+def longest_first(lengths: list[int]) -> list[int]:
+    """Indices of lengths, longest first (ties in order)."""
+    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)

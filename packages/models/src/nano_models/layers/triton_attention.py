@@ -38,5 +38,6 @@ class TritonAttention(AttentionBackend):
                 ctx.seq_lens[prefills:],
                 scale,
                 out=out[first:end],
+                order=ctx.decode_order,
             )
         return out
