@@ -242,12 +242,25 @@ def test_mixed_batch_slices_compile_nothing_new(compiled):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         table, seq_lens = table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens) - offset, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
-        out = torch.full_like(q, float("nan"))
-        paged_decode(q, k_cache, v_cache, table[offset:], seq_lens[offset:], 0.088, out=out)
         ref = paged_attention_reference(
             q, k_cache, v_cache, tables[offset:], [1] * len(q), lens[offset:], 0.088
         )
-        check(out, ref, torch.bfloat16)
+        # The decode order (longest first) is a slice of the same packed buffer.
+        longest = sorted(range(len(q)), key=lens[offset:].__getitem__, reverse=True)
+        order = torch.tensor([0] * offset + longest, dtype=torch.int32, device="cuda")
+        for seq_order in (None, order[offset:]):
+            out = torch.full_like(q, float("nan"))
+            paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                table[offset:],
+                seq_lens[offset:],
+                0.088,
+                out=out,
+                order=seq_order,
+            )
+            check(out, ref, torch.bfloat16)
         # One prefill token per sequence, with query_start_loc a slice at the offset too (the
         # engine packs all step metadata into one buffer).
         starts = torch.arange(len(q) + 1, dtype=torch.int32)
