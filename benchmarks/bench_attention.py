@@ -25,7 +25,6 @@ import torch
 from triton.testing import do_bench
 
 from nano_kvcache.attention import paged_decode, paged_prefill
-from nano_models.context import longest_first
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -61,7 +60,8 @@ def decode(lens: list[int]) -> dict:
     k, v, perm = paged_cache(batch * per_seq * BLOCK)
     tables = perm[: batch * per_seq].view(batch, per_seq).contiguous()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order = torch.tensor(longest_first(lens), dtype=torch.int32, device="cuda")
+    longest_first = sorted(range(batch), key=lens.__getitem__, reverse=True)
+    order = torch.tensor(longest_first, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2

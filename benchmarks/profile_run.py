@@ -20,10 +20,10 @@ from nano_engine import LLM, SamplingParams
 from nano_engine.cli import bench_workload
 
 KINDS = [  # (kind, name fragments), first match wins
+    ("sampler", ("_gumbel", "softmax", "argmax", "exponential", "sort")),
     ("attention decode", ("_decode_kernel", "_merge_kernel")),
     ("attention prefill", ("_prefill_kernel",)),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitK")),
-    ("sampler", ("_gumbel", "softmax", "argmax", "exponential", "sort")),
     ("KV store", ("store_kvcache",)),
     ("norm/rotary/act (inductor)", ("triton_",)),
     ("copies", ("Memcpy", "Memset", "copy_", "fill")),

@@ -65,13 +65,25 @@ def test_reset_prefix_cache_computes_repeated_prompts_again(reference):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_the_collector_skips_the_model_while_the_engine_lives(checkpoints):
-    """A full collection walks every tracked object; the runner's (model, compiled code) are
-    frozen out of it after start-up, and handed back at shutdown so cycles among them can go."""
-    with LLM(checkpoints("qwen3")) as llm:
-        module = next(llm.engine.runner.model.modules())
-        assert not any(o is module for o in gc.get_objects())
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
+def test_the_collector_skips_the_models_while_engines_live(checkpoints):
+    """A full collection walks every tracked object; each engine freezes its start-up objects
+    (model, compiled code) out of it, and the last one to shut down hands them back so cycles
+    among them can go. An engine that fails to start freezes nothing."""
+    path = checkpoints("qwen3")
+    with pytest.raises(ValueError):
+        LLM(path, scheduling_policy="nope")
     assert gc.get_freeze_count() == 0
-    assert any(o is module for o in gc.get_objects())
+
+    def tracked(obj) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    first, second = LLM(path), LLM(path)
+    models = [next(llm.engine.runner.model.modules()) for llm in (first, second)]
+    assert not tracked(models[0]) and not tracked(models[1])
+    out = first.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    first.shutdown()
+    first.shutdown()  # twice: still one release
+    assert not tracked(models[1])  # the second engine still runs
+    second.shutdown()
+    assert gc.get_freeze_count() == 0 and tracked(models[0]) and tracked(models[1])

@@ -348,3 +348,15 @@ def test_prefill_rejects_bad_new_kv():
     k = torch.randn(5, 2, 72, device=DEVICE, dtype=torch.float16)[:, :, :64]  # 144-byte rows
     with pytest.raises(ValueError, match="tma=True"):
         paged_prefill(q, k, k, k_cache, k_cache, *meta, qsl, 5, 0.1, tma=True)
+
+
+def test_decode_rejects_a_bad_order():
+    from nano_kvcache.attention import paged_decode
+
+    q = torch.randn(3, 4, 64, device=DEVICE, dtype=torch.float16)
+    k_cache = torch.randn(4, 2, 16, 64, device=DEVICE, dtype=torch.float16)
+    tables = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    for order in (torch.arange(2, dtype=torch.int32), torch.arange(3, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="order must be int32"):
+            paged_decode(q, k_cache, k_cache, tables, lens, 0.1, order=order.to(DEVICE))

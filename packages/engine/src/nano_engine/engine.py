@@ -13,6 +13,7 @@ and never reaches the loop.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import json
 import logging
@@ -158,6 +159,7 @@ class LLMEngine:
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: _InFlight | None = None
         self._last_arrival = 0.0
+        self._frozen = False  # whether this engine holds the collector frozen (_freeze_gc)
         self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
         self._thread.start()
         if self.workers is not None:
@@ -165,6 +167,7 @@ class LLMEngine:
                 target=self._watch_workers, name="nano-engine-watch", daemon=True
             ).start()
         atexit.register(_shutdown_if_alive, weakref.ref(self))
+        _freeze_gc(self)  # last: an engine that failed to start froze nothing
 
     # ---- requests (any thread) ---------------------------------------------------------------
 
@@ -532,6 +535,7 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         self._stop_workers()
+        _unfreeze_gc(self)
         if not self._thread.is_alive():
             self.runner.close()
 
@@ -625,6 +629,33 @@ def _shape(out) -> dict:
         "decodes": [len(s.token_ids) for s in out.decodes],
         "num_sampled": len(out.sampling_seqs),
     }
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0  # live engines that froze the collector (gc.freeze is process-wide)
+
+
+def _freeze_gc(engine: LLMEngine) -> None:
+    """Move every object alive now (the model, compiled code, graphs: millions) out of the
+    cyclic collector's way, as vLLM does after start-up: a full collection in the middle of a
+    run walked them for ~0.2 s. Undone when the last engine that froze shuts down."""
+    global _gc_holders
+    with _gc_lock:
+        gc.collect()
+        gc.freeze()
+        _gc_holders += 1
+        engine._frozen = True
+
+
+def _unfreeze_gc(engine: LLMEngine) -> None:
+    global _gc_holders
+    with _gc_lock:
+        if not engine._frozen:
+            return
+        engine._frozen = False
+        _gc_holders -= 1
+        if _gc_holders == 0:
+            gc.unfreeze()  # what only cycles keep alive can go now
 
 
 def _shutdown_if_alive(ref: weakref.ref) -> None:

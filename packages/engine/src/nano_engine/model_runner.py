@@ -166,11 +166,6 @@ class ModelRunner:
                     "attention backend %s cannot run in CUDA graphs: eager decode",
                     self.backend.name,
                 )
-        # Everything built so far (the model, compiled code, graphs: millions of objects) lives
-        # as long as the runner. Frozen, the cyclic collector no longer walks it: a full
-        # collection in the middle of a run took ~0.2 s (as vLLM does after start-up).
-        gc.collect()
-        gc.freeze()
 
     # ---- KV cache sizing ---------------------------------------------------------------------
 
@@ -268,7 +263,6 @@ class ModelRunner:
         self.graphs = None
         self.kv_cache = None
         self.model = None
-        gc.unfreeze()  # what only cycles keep alive can go now
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()

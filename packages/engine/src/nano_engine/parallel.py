@@ -9,6 +9,7 @@ exit code; ``shutdown`` stops and joins every process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import socket
@@ -63,6 +64,8 @@ def _worker_main(
     tp = init_group(rank, world, port, dev)
     try:
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
+        gc.collect()
+        gc.freeze()  # as the engine does (_freeze_gc); this process ends with the runner
         while True:
             message = conn.recv()
             if message is None:

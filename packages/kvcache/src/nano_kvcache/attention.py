@@ -294,8 +294,9 @@ def paged_decode(
     """Attention of one query per sequence over its paged context.
 
     q [B, heads, head_dim]; caches [blocks, kv_heads, block_size, head_dim]; block_tables int32
-    [B, max_blocks]; seq_lens int32 [B] (the context, this token included). Returns [B, heads,
-    head_dim] in q's dtype.
+    [B, max_blocks]; seq_lens int32 [B] (the context, this token included). order, optional:
+    int32 [B], a permutation of range(B), the order in which the programs take the sequences
+    (longest first balances them). Returns [B, heads, head_dim] in q's dtype.
     """
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -303,6 +304,13 @@ def paged_decode(
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
+    if order is not None and (
+        order.shape != (batch,) or order.dtype != torch.int32 or order.device != q.device
+    ):
+        raise ValueError(
+            f"order must be int32 [{batch}] on {q.device} (a permutation of the batch), got "
+            f"{order.dtype} {list(order.shape)} on {order.device}"
+        )
     splits = num_splits or decode_splits(batch, kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     if splits > 1:

@@ -18,9 +18,9 @@ class ForwardContext:
       block_tables     int32 [B, M]   physical blocks of each sequence, -1 padded
       slot_mapping     int64 [T]      cache slot of each new token, -1 for padding
       logits_indices   int64 [S]      rows of the hidden states that reach the LM head
-      decode_order     int32 [D]      the decodes (0 = the first decode) by context length,
-                                      longest first: a kernel that takes them in this order
-                                      starts the long ones early (optional)
+      decode_order     int32 [D]      a permutation of the decodes (0 = the first decode), by
+                                      context length, longest first: a kernel that takes them
+                                      in this order starts the long ones early (optional)
     Host copies (for code that loops over sequences without a device sync):
       query_start_loc_cpu, seq_lens_cpu
     """
