@@ -6,10 +6,10 @@ Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, bl
   / time) against a device-to-device copy, the sequences taken longest first (as the engine
   does) and in batch order, and torch's flash attention (SDPA) over a contiguous cache at the
   uniform shapes (target: >= 3.2 TB/s);
-- prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached):
-  attention FLOP/s against an 8k bf16 matmul (target: >= 60% of it), with and without TMA
-  loads of the new tokens' K/V, and where nothing is cached torch's varlen flash attention and
-  cuDNN's fused attention over the dense equivalent.
+- prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached, with
+  16- and 256-token blocks): attention FLOP/s against an 8k bf16 matmul (target: >= 60% of
+  it), with and without TMA loads, and where nothing is cached torch's varlen flash attention
+  and cuDNN's fused attention over the dense equivalent.
 
     python benchmarks/bench_attention.py [--json out.json]
 """
@@ -44,9 +44,9 @@ def ceilings() -> dict:
     return {"copy_tbps": copy / 1e12, "matmul_tflops": matmul / 1e12}
 
 
-def paged_cache(num_tokens: int):
-    num_blocks = num_tokens // BLOCK + 8
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
+def paged_cache(num_tokens: int, block: int = BLOCK):
+    num_blocks = num_tokens // block + 8
+    shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
     k = torch.randn(shape, device="cuda", dtype=DTYPE)
     v = torch.randn(shape, device="cuda", dtype=DTYPE)
     return k, v, torch.randperm(num_blocks, device="cuda").int()
@@ -96,13 +96,13 @@ TILES = (
 )
 
 
-def prefill(chunks: list[tuple[int, int]]) -> dict:
+def prefill(chunks: list[tuple[int, int]], block: int = BLOCK) -> dict:
     """TFLOP/s of every prefill tile on these chunks ((new tokens, cached tokens) each), the
     default tile with pointer loads instead of TMA, and where nothing is cached torch's varlen
     flash attention and cuDNN's attention (SDPA) over the dense equivalent."""
     lens = [n + c for n, c in chunks]
-    k_cache, v_cache, perm = paged_cache(sum(lens))
-    width = max(-(-n // BLOCK) for n in lens)
+    k_cache, v_cache, perm = paged_cache(sum(lens), block)
+    width = max(-(-n // block) for n in lens)
     tables = perm[: len(chunks) * width].view(len(chunks), width).contiguous()
     query_lens = [n for n, _ in chunks]
     qsl = torch.tensor(
@@ -114,11 +114,12 @@ def prefill(chunks: list[tuple[int, int]]) -> dict:
     q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
     out = torch.empty_like(q)
     flops = 4 * HEADS * HEAD_DIM * sum(n * c + n * (n + 1) // 2 for n, c in chunks)
-    result = {"chunks": chunks, "tokens": sum(query_lens), "tiles": {}}
+    result = {"chunks": chunks, "block": block, "tokens": sum(query_lens), "tiles": {}}
+    cached = any(c for _, c in chunks)
 
     def run(tile=None, tma=None):
         args = (q, k, v, k_cache, v_cache, tables, seq_lens, qsl, max(query_lens), HEAD_DIM**-0.5)
-        return lambda: paged_prefill(*args, out=out, tile=tile, tma=tma)
+        return lambda: paged_prefill(*args, out=out, tile=tile, tma=tma, cached_prefix=cached)
 
     for tile in TILES:
         try:
@@ -130,7 +131,7 @@ def prefill(chunks: list[tuple[int, int]]) -> dict:
     result["best_tile"], result["best_tflops"] = max(result["tiles"].items(), key=lambda x: x[1])
     result["triton_tflops"] = flops / (ms(run()) * 1e-3) / 1e12  # the default tile
     result["pointers_tflops"] = flops / (ms(run(tma=False)) * 1e-3) / 1e12
-    if all(c == 0 for _, c in chunks):
+    if not cached:
         varlen = _torch_varlen(q, qsl, max(query_lens))
         if varlen is not None:
             result["torch_varlen_tflops"] = flops / (ms(varlen) * 1e-3) / 1e12
@@ -192,6 +193,7 @@ def main() -> None:
         decode([ragged.randint(100, 2000) for _ in range(64)]),
     ]
     prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]
+    prefills.append(prefill([(512, 1536)] * 4, block=256))  # the cache through TMA
     print(
         f"attention kernels on {torch.cuda.get_device_name()}: copy "
         f"{limits['copy_tbps']:.2f} TB/s, bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s"
@@ -213,6 +215,7 @@ def main() -> None:
     )
     for r in prefills:
         name = f"{len(r['chunks'])} x " + "+".join(f"{n}/{c}" for n, c in sorted(set(r["chunks"])))
+        name += f" b{r['block']}" if r["block"] != BLOCK else ""
         others = [r.get("torch_varlen_tflops"), r.get("cudnn_tflops")]
         print(
             f"{name:>24} {r['triton_tflops']:15.0f} "

@@ -132,12 +132,14 @@ PREFILL_CASES = [
     (64, 8, 1, 128, [(130, 70), (3, 0)]),
     (256, 4, 4, 64, [(100, 300)]),
     (16, 4, 2, 96, [(150, 70), (9, 0)]),  # head_dim below its power of two: masked loads
+    (16, 16, 8, 128, [(37, 0), (100, 0), (1, 0), (64, 0)]),  # nothing cached
 ]
 if not INTERPRET:
     PREFILL_CASES += [
         (16, 16, 8, 128, [(2048, 0), (500, 6000), (1, 8191)]),
         (16, 32, 4, 128, [(1024, 31000)]),
         (16, 16, 8, 128, [(4100, 0), (37, 5000)]),  # a long prompt: the large tile
+        (16, 16, 8, 128, [(1024, 0)] * 3 + [(4100, 0)]),
     ]
 
 
@@ -146,7 +148,9 @@ if not INTERPRET:
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,chunks", PREFILL_CASES)
 def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks, tma):
     """The cached keys through the block table, the new ones from the step's K/V: through
-    pointers, or TMA descriptors (Hopper on; Triton's interpreter runs them too)."""
+    pointers, or TMA descriptors (Hopper on; Triton's interpreter runs them too), the caches'
+    too where a block holds whole key tiles (block sizes 64 and 256). A batch with nothing
+    cached runs the kernel without the cached-key path."""
     from nano_kvcache.attention import paged_prefill
 
     if tma and head_dim & (head_dim - 1):
@@ -181,6 +185,7 @@ def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks, tma
         head_dim**-0.5,
         out=out,
         tma=tma,
+        cached_prefix=any(c for _, c in chunks),
     )
     check(out, ref, dtype)
 

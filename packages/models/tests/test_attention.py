@@ -13,8 +13,12 @@ from nano_kvcache.attention_reference import paged_attention_reference
 from nano_models import ForwardContext, get_attention_backend
 from nano_models.layers.attention import choose_attention_backend
 
+# (new tokens, cached tokens): a fresh prefill, one over a cached prefix, a middle chunk, then
+# decodes with short and long contexts.
+MIXED = [(9, 0), (5, 12), (7, 3), (1, 0), (1, 17), (1, 30)]
 
-def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu"):
+
+def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu", shapes=MIXED):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     num_blocks = 128
@@ -22,9 +26,6 @@ def random_batch(seed, heads, kv_heads, head_dim, block_size, dtype, device="cpu
     v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    # (new tokens, cached tokens): a fresh prefill, one over a cached prefix, a middle chunk,
-    # then decodes with short and long contexts.
-    shapes = [(9, 0), (5, 12), (7, 3), (1, 0), (1, 17), (1, 30)]
     query_lens = [n for n, _ in shapes]
     seq_lens = [n + c for n, c in shapes]
     tables = [[free.pop() for _ in range(-(-length // block_size))] for length in seq_lens]
@@ -121,21 +122,35 @@ def _importable(module: str) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_backends_match_the_reference(backend, dtype):
     """A mixed batch (prefills, a cached prefix, a chunk, decodes) with 256-token blocks."""
-    q, k, v, k_cache, v_cache, ctx, tables = random_batch(7, 8, 2, 128, 256, dtype, "cuda")
-    q = q.cuda()
-    out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, ctx, 0.088)
-    qsl = ctx.query_start_loc_cpu
-    ref = paged_attention_reference(
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        [b - a for a, b in itertools.pairwise(qsl)],
-        ctx.seq_lens_cpu,
-        0.088,
-    )
-    err = (out.double() - ref).norm() / ref.norm()
-    assert err < 2e-2, err
+    # Then fresh prefills only (beside the decodes): the kernel without the cached-key path.
+    for shapes in (MIXED, [(9, 0), (300, 0), (1, 0), (1, 0), (1, 17), (1, 30)]):
+        q, k, v, k_cache, v_cache, ctx, tables = random_batch(
+            7, 8, 2, 128, 256, dtype, "cuda", shapes
+        )
+        assert ctx.cached_prefix == (shapes is MIXED)
+        q = q.cuda()
+        out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, ctx, 0.088)
+        qsl = ctx.query_start_loc_cpu
+        ref = paged_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            [b - a for a, b in itertools.pairwise(qsl)],
+            ctx.seq_lens_cpu,
+            0.088,
+        )
+        err = (out.double() - ref).norm() / ref.norm()
+        assert err < 2e-2, err
+
+
+def test_context_knows_whether_a_prefill_follows_cached_tokens():
+    tables = [[0], [1], [2]]
+    fresh = ForwardContext.build([4, 3, 1], [4, 3, 7], tables, 16, num_prefills=2)
+    assert not fresh.cached_prefix  # a decode's context does not count
+    chunk = ForwardContext.build([4, 3, 1], [4, 10, 7], tables, 16, num_prefills=2)
+    assert chunk.cached_prefix
+    assert not ForwardContext.build([1, 1], [5, 7], tables[:2], 16, num_prefills=0).cached_prefix
 
 
 def test_context_lists_the_decodes_longest_first():

@@ -7,8 +7,8 @@ per layer), for any block size.
   The grid depends only on the batch size, never on the data: it runs inside CUDA graphs.
 - ``paged_prefill``: the new tokens of each sequence attend causally to themselves and to
   everything before them in the cache (a cached prefix, earlier chunks). The cached keys come
-  through the block table; the new tokens' own keys straight from the step's K/V, contiguous
-  rows that TMA loads on Hopper and later.
+  through the block table; q and the new tokens' own keys straight from the step, contiguous
+  rows that TMA loads on Hopper and later (the cache too when a block holds whole key tiles).
 
 Both accumulate in fp32 with an online softmax (base-2 exponentials).
 """
@@ -59,6 +59,54 @@ def _load_kv_tile(
     else:
         k = tl.load(k_cache + rows[:, None] + d[None, :])
         v = tl.load(v_cache + rows[:, None] + d[None, :])
+    return k, v
+
+
+@triton.jit
+def _load_cached_tile(
+    k_cache,
+    v_cache,
+    table,
+    first,
+    n,
+    t_mask,
+    kv_head,
+    d,
+    d_mask,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    BLOCK_SIZE: tl.constexpr,
+    TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """K and V of the cached tokens first + n, [tokens, head_dim] each, through the block
+    table: with TMA, descriptors over the caches as rows of head_dim values (the tile lies in
+    one block); else pointers (k_cache, v_cache). Masked TMA tiles zero V past t_mask: those
+    rows hold whatever the block held, NaN even, and 0 * NaN is NaN."""
+    if TMA:
+        page = tl.load(table + first // BLOCK_SIZE)
+        row = page * (stride_kb // stride_kt) + kv_head * (stride_kh // stride_kt)
+        row += first % BLOCK_SIZE
+        k = k_cache.load([row, 0])
+        v = v_cache.load([row, 0])
+        if MASKED:
+            v = tl.where(t_mask[:, None], v, 0.0)
+    else:
+        k, v = _load_kv_tile(
+            k_cache,
+            v_cache,
+            table,
+            first + n,
+            t_mask,
+            kv_head * stride_kh,
+            d,
+            d_mask,
+            stride_kb,
+            stride_kt,
+            BLOCK_SIZE,
+            MASKED,
+        )
     return k, v
 
 
@@ -370,7 +418,7 @@ def paged_decode(
 
 @_metadata_jit(["block_tables", "seq_lens", "query_start_loc"])
 def _prefill_kernel(
-    q_ptr,
+    q_src,
     k_new,
     v_new,
     k_cache,
@@ -399,6 +447,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    CACHE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -410,63 +459,73 @@ def _prefill_kernel(
     tile = tl.cdiv(q_len, BLOCK_M) - 1 - tl.program_id(0)
     if tile < 0:
         return
-    cached = tl.load(seq_lens + seq) - q_len  # tokens before the new ones (a prefix, chunks)
-
     m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile, from q_start
     m_mask = m_offs < q_len
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     padded: tl.constexpr = BLOCK_D != HEAD_DIM
-    q = tl.load(
-        q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    if TMA:  # rows past the sequence are the next one's or zeros: computed, never stored
+        q = q_src.load([q_start + tile * BLOCK_M, head * HEAD_DIM])
+    else:
+        q = tl.load(
+            q_src + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_head = head // GROUP
 
-    # The cached keys, visible to every query, through the block table: whole tiles without
-    # masks (the loads pipeline), then the partial last one.
-    table = block_tables + seq * stride_bt
-    kv_base = kv_head * stride_kh
-    whole = cached // BLOCK_N * BLOCK_N
-    for first in range(0, whole, BLOCK_N):
-        k, v = _load_kv_tile(
-            k_cache,
-            v_cache,
-            table,
-            first + n,
-            n >= 0,
-            kv_base,
-            d,
-            d_mask,
-            stride_kb,
-            stride_kt,
-            BLOCK_SIZE,
-            padded,
-        )
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
-    if whole < cached:
-        t_mask = whole + n < cached
-        k, v = _load_kv_tile(
-            k_cache,
-            v_cache,
-            table,
-            whole + n,
-            t_mask,
-            kv_base,
-            d,
-            d_mask,
-            stride_kb,
-            stride_kt,
-            BLOCK_SIZE,
-        )
-        m_i, l_i, acc = _attend(
-            q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
-        )
+    # The cached keys (a prefix, earlier chunks), visible to every query, through the block
+    # table: whole tiles without masks (the loads pipeline), then the partial last one. A batch
+    # without them compiles none of this (fewer registers: faster on short prompts).
+    if CACHE != "none":
+        cached = tl.load(seq_lens + seq) - q_len
+        table = block_tables + seq * stride_bt
+        whole = cached // BLOCK_N * BLOCK_N
+        for first in range(0, whole, BLOCK_N):
+            k, v = _load_cached_tile(
+                k_cache,
+                v_cache,
+                table,
+                first,
+                n,
+                n >= 0,
+                kv_head,
+                d,
+                d_mask,
+                stride_kb,
+                stride_kh,
+                stride_kt,
+                BLOCK_SIZE,
+                CACHE == "tma",
+                padded,
+            )
+            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
+        if whole < cached:
+            t_mask = whole + n < cached
+            k, v = _load_cached_tile(
+                k_cache,
+                v_cache,
+                table,
+                whole,
+                n,
+                t_mask,
+                kv_head,
+                d,
+                d_mask,
+                stride_kb,
+                stride_kh,
+                stride_kt,
+                BLOCK_SIZE,
+                CACHE == "tma",
+                True,
+            )
+            m_i, l_i, acc = _attend(
+                q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
+            )
 
     # The new tokens' keys, from the step's own K/V: those before the tile's first query are
     # visible to all its queries (BLOCK_N divides BLOCK_M), then the causal diagonal.
@@ -521,7 +580,7 @@ def _prefill_kernel(
 
 
 def _tma_layout(x: torch.Tensor) -> bool:
-    """Whether TMA descriptors can read x [T, kv_heads, head_dim] as rows of [T, kv_heads *
+    """Whether TMA descriptors can read x [T, heads, head_dim] as rows of [T, heads *
     head_dim]: 16-byte aligned rows, heads side by side, a power-of-two head_dim (Triton's
     block shapes)."""
     head_dim = x.shape[2]
@@ -532,6 +591,15 @@ def _tma_layout(x: torch.Tensor) -> bool:
         and x.stride(1) == head_dim
         and x.data_ptr() % 16 == 0
         and x.stride(0) * x.element_size() % 16 == 0
+    )
+
+
+def _tma_cache(*caches: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read the caches as rows of head_dim values (contiguous,
+    16-byte aligned, row numbers within int32)."""
+    return all(
+        x.is_contiguous() and x.data_ptr() % 16 == 0 and x.numel() // x.shape[3] < 2**31
+        for x in caches
     )
 
 
@@ -564,6 +632,7 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     tile: tuple[int, int, int, int] | None = None,
     tma: bool | None = None,
+    cached_prefix: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context and themselves.
 
@@ -571,8 +640,11 @@ def paged_prefill(
     rows query_start_loc[b]:[b+1], at positions seq_lens[b] - n .. seq_lens[b] - 1); the keys
     before them are read from the caches [blocks, kv_heads, block_size, head_dim] through
     block_tables int32 [B, max_blocks]; seq_lens, query_start_loc int32. The new tokens' keys
-    are read from k and v, not the cache (contiguous rows: TMA loads where the GPU has them,
-    ``tma`` forces either way). ``tile``: (block_m, block_n, num_warps, num_stages), block_n
+    are read from k and v, not the cache. ``tma``: load q, k and v with TMA (default: where the
+    GPU has it and their rows allow); the caches too when a block holds whole key tiles.
+    ``cached_prefix=False`` says that no sequence has tokens before its new ones (seq_lens
+    equal to the new tokens): the kernel then leaves out that path, which is faster; the
+    keys before would be ignored. ``tile``: (block_m, block_n, num_warps, num_stages), block_n
     dividing block_m (default: ``prefill_tile``). Returns [T, heads, head_dim].
     """
     tokens, heads, head_dim = q.shape
@@ -592,28 +664,41 @@ def paged_prefill(
     if tokens == 0 or num_seqs == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
+    rows_tma = all(_tma_layout(x) for x in (q, k, v))
     if tma is None:
-        tma = _has_tma(q.device) and _tma_layout(k) and _tma_layout(v)
-    elif tma and not (_tma_layout(k) and _tma_layout(v)):
+        tma = _has_tma(q.device) and rows_tma
+    elif tma and not rows_tma:
         raise ValueError(
-            "tma=True needs k and v with 16-byte aligned rows of kv_heads x head_dim contiguous "
-            f"values, head_dim a power of two, and Triton >= 3.4 (got strides {k.stride()} and "
-            f"{v.stride()}, head_dim {head_dim})"
+            "tma=True needs q, k and v with 16-byte aligned rows of heads x head_dim contiguous "
+            f"values, head_dim a power of two, and Triton >= 3.4 (got strides {q.stride()}, "
+            f"{k.stride()} and {v.stride()}, head_dim {head_dim})"
         )
+    cache = "none"
+    if cached_prefix:
+        whole_tiles = block_size % block_n == 0
+        cache = "tma" if tma and whole_tiles and _tma_cache(k_cache, v_cache) else "pointers"
+    q_src, k_new, v_new, k_src, v_src = q, k, v, k_cache, v_cache
     if tma:
+        q_src = TensorDescriptor(
+            q, [tokens, heads * head_dim], [q.stride(0), 1], [block_m, block_d]
+        )
         k_new, v_new = (
             TensorDescriptor(x, [tokens, kv_heads * head_dim], [x.stride(0), 1], [block_n, block_d])
             for x in (k, v)
         )
-    else:
-        k_new, v_new = k, v
+    if cache == "tma":
+        rows = k_cache.numel() // head_dim
+        k_src, v_src = (
+            TensorDescriptor(x, [rows, head_dim], [head_dim, 1], [block_n, block_d])
+            for x in (k_cache, v_cache)
+        )
     grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
     _prefill_kernel[grid](
-        q,
+        q_src,
         k_new,
         v_new,
-        k_cache,
-        v_cache,
+        k_src,
+        v_src,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -638,6 +723,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         TMA=tma,
+        CACHE=cache,
         PRECISION=_precision(q),
         num_warps=num_warps,
         num_stages=num_stages,

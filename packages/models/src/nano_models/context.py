@@ -4,6 +4,7 @@ layers read (passed down through forward, never stored in module globals)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -42,6 +43,13 @@ class ForwardContext:
     @property
     def num_seqs(self) -> int:
         return self.num_prefills + self.num_decodes
+
+    @cached_property
+    def cached_prefix(self) -> bool:
+        """Whether some prefill chunk follows tokens already in the cache (a cached prefix,
+        earlier chunks of its prompt)."""
+        qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        return any(lens[b] > qsl[b + 1] - qsl[b] for b in range(self.num_prefills))
 
     @classmethod
     def build(

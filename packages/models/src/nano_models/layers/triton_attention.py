@@ -27,6 +27,7 @@ class TritonAttention(AttentionBackend):
                 ctx.max_query_len,
                 scale,
                 out=out[:first],
+                cached_prefix=ctx.cached_prefix,
             )
         if ctx.num_decodes:
             end = first + ctx.num_decodes
