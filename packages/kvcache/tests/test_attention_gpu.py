@@ -133,6 +133,7 @@ PREFILL_CASES = [
     (256, 4, 4, 64, [(100, 300)]),
     (16, 4, 2, 96, [(150, 70), (9, 0)]),  # head_dim below its power of two: masked loads
     (16, 16, 8, 128, [(37, 0), (100, 0), (1, 0), (64, 0)]),  # nothing cached
+    (16, 4, 2, 64, [(300, 40), (260, 0)]),  # long chunks over a prefix: 128 x 64 tiles
 ]
 if not INTERPRET:
     PREFILL_CASES += [

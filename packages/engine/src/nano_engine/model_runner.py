@@ -219,13 +219,14 @@ class ModelRunner:
             probs.sort(dim=-1, descending=True)
             del probs
         del logits
-        # The longest single prompt chunk too, so that nothing a long prompt needs (kernel
-        # variants, allocations) is first compiled or allocated in the middle of serving.
-        longest = max(1, min(tokens, self.max_model_len - 1))
-        count = -(-longest // self.block_size)
-        self.execute(
-            StepInput([0] * longest, [longest], [longest], [list(range(count))], 1, [longest - 1])
-        )
+        # Single prompt chunks of several lengths up to the longest, each fresh and after a
+        # cached token (a prefix hit, a later chunk), so that no kernel variant (prefill tiles,
+        # cached keys or none) and no allocation a prompt needs comes first in mid-serving.
+        longest = max(2, min(tokens, self.max_model_len - 1))
+        for length in {longest, min(longest, 1024), min(longest, 64)}:
+            table = list(range(-(-length // self.block_size)))
+            for n in (length, length - 1):
+                self.execute(StepInput([0] * n, [n], [length], [table], 1, [n - 1]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         graph_reserve = 0

@@ -608,14 +608,22 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def prefill_tile(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def prefill_tile(
+    max_query_len: int, dtype: torch.dtype, cached_prefix: bool = False, mean_query_len: int = 0
+) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of a prefill, measured on an H200 (RESULTS.md,
-    benchmarks/bench_attention.py): 64 x 64 tiles up to 2k-token prompts, 128 x 128 from 4k on
-    (4-11% faster there, 10-15% slower on shorter ones). fp32 tiles take two stages (three do
-    not fit in shared memory)."""
+    benchmarks/bench_attention.py): 128 x 128 tiles from 4k-token prompts on (4-11% faster
+    there, 10-15% slower on shorter ones), 64 x 64 below; but 128 x 64 with 4 warps for chunks
+    of 256 tokens and more on average over a cached prefix (6-12% faster, 25-35% slower on
+    chunks of 64 tokens or fewer). fp32 tiles take two stages (three do not fit in shared
+    memory)."""
     if dtype.itemsize > 2:
         return 64, 64, 4, 2
-    return (128, 128, 8, 3) if max_query_len >= 4096 else (64, 64, 4, 3)
+    if max_query_len >= 4096:
+        return 128, 128, 8, 3
+    if cached_prefix and mean_query_len >= 256:
+        return 128, 64, 4, 2
+    return 64, 64, 4, 3
 
 
 def paged_prefill(
@@ -658,7 +666,9 @@ def paged_prefill(
         raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
-    block_m, block_n, num_warps, num_stages = tile or prefill_tile(max_query_len, q.dtype)
+    block_m, block_n, num_warps, num_stages = tile or prefill_tile(
+        max_query_len, q.dtype, cached_prefix, tokens // max(num_seqs, 1)
+    )
     if block_n > block_m or block_m % block_n:
         raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
     if tokens == 0 or num_seqs == 0:
