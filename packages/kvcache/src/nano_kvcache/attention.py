@@ -609,19 +609,23 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def prefill_tile(
-    max_query_len: int, dtype: torch.dtype, cached_prefix: bool = False, mean_query_len: int = 0
+    max_query_len: int,
+    dtype: torch.dtype,
+    cached_prefix: bool = False,
+    mean_query_len: int = 0,
+    tma: bool = True,
 ) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of a prefill, measured on an H200 (RESULTS.md,
     benchmarks/bench_attention.py): 128 x 128 tiles from 4k-token prompts on (4-11% faster
-    there, 10-15% slower on shorter ones), 64 x 64 below; but 128 x 64 with 4 warps for chunks
-    of 256 tokens and more on average over a cached prefix (6-12% faster, 25-35% slower on
-    chunks of 64 tokens or fewer). fp32 tiles take two stages (three do not fit in shared
-    memory)."""
+    there, 10-15% slower on shorter ones), 64 x 64 below; but with TMA loads, 128 x 64 with 4
+    warps for chunks of 256 tokens and more on average over a cached prefix (6-12% faster;
+    25-35% slower on chunks of 64 tokens or fewer, 23% slower without TMA). fp32 tiles take two
+    stages (three do not fit in shared memory)."""
     if dtype.itemsize > 2:
         return 64, 64, 4, 2
     if max_query_len >= 4096:
         return 128, 128, 8, 3
-    if cached_prefix and mean_query_len >= 256:
+    if tma and cached_prefix and mean_query_len >= 256:
         return 128, 64, 4, 2
     return 64, 64, 4, 3
 
@@ -664,16 +668,6 @@ def paged_prefill(
         )
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
-    out = torch.empty_like(q) if out is None else out
-    num_seqs = seq_lens.shape[0]
-    block_m, block_n, num_warps, num_stages = tile or prefill_tile(
-        max_query_len, q.dtype, cached_prefix, tokens // max(num_seqs, 1)
-    )
-    if block_n > block_m or block_m % block_n:
-        raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
-    if tokens == 0 or num_seqs == 0:
-        return out
-    block_d = triton.next_power_of_2(head_dim)
     rows_tma = all(_tma_layout(x) for x in (q, k, v))
     if tma is None:
         tma = _has_tma(q.device) and rows_tma
@@ -683,6 +677,16 @@ def paged_prefill(
             f"values, head_dim a power of two, and Triton >= 3.4 (got strides {q.stride()}, "
             f"{k.stride()} and {v.stride()}, head_dim {head_dim})"
         )
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    block_m, block_n, num_warps, num_stages = tile or prefill_tile(
+        max_query_len, q.dtype, cached_prefix, tokens // max(num_seqs, 1), tma
+    )
+    if block_n > block_m or block_m % block_n:
+        raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
+    if tokens == 0 or num_seqs == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
     cache = "none"
     if cached_prefix:
         whole_tiles = block_size % block_n == 0
