@@ -117,7 +117,7 @@ def test_serving_compiles_no_attention_kernel_after_start_up(checkpoints):
     }
     compiled = []
     with LLM(path, **options) as llm:
-        triton.knobs.runtime.jit_cache_hook = lambda *a, **k: compiled.append(k["repr"])
+        triton.knobs.runtime.jit_cache_hook = lambda *a, **k: compiled.append(k["fn"].name)
         try:
             prompts = [*sample_prompts(), [3 + i * 7 % 290 for i in range(1300)]]
             params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
