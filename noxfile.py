@@ -4,7 +4,7 @@ nox -s tests          fresh venv, CPU torch, every package, pytest over all CPU 
 nox -s lint           ruff check and ruff format --check
 nox -s build          sdists and wheels of every package into dist/, each installed and imported
 nox -s gpu            GPU tests and kernel benchmarks with the current interpreter (an H200)
-nox -s bench          CPU benchmarks (block manager, scheduler, simulator)
+nox -s bench          CPU benchmarks (block manager, scheduler, simulator, kernel registers)
 nox -s demo           the main job: the engine on this machine (generation, then a benchmark)
 """
 
@@ -92,10 +92,13 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """CPU benchmarks: block manager bookkeeping, scheduler steps, the simulator on a trace."""
+    """CPU benchmarks: block manager bookkeeping, scheduler steps, the simulator on a trace;
+    the prefill kernel's registers and shared memory, compiled for Hopper here."""
     install_packages(session, cuda=False)
+    session.install("triton==3.6.0")  # the GPU machine's (DESIGN.md)
     session.run("python", "benchmarks/bench_block_manager.py")
     session.run("python", "benchmarks/bench_scheduler.py", *session.posargs)
+    session.run("python", "benchmarks/kernel_resources.py")
 
 
 @nox.session
