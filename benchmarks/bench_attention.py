@@ -6,10 +6,10 @@ Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, bl
   / time) against a device-to-device copy, the sequences taken longest first (as the engine
   does) and in batch order, and torch's flash attention (SDPA) over a contiguous cache at the
   uniform shapes (target: >= 3.2 TB/s);
-- prefill of 8k-token batches (8 x 1k, 1 x 8k, and 4 x 512 new tokens over 1.5k cached, with
-  16- and 256-token blocks): attention FLOP/s against an 8k bf16 matmul (target: >= 60% of
-  it), with and without TMA loads, and where nothing is cached torch's varlen flash attention
-  and cuDNN's fused attention over the dense equivalent.
+- prefill of 8k-token batches (8k tokens in 16 prompts of 512 up to one of 8k, and 4 x 512 new
+  tokens over 1.5k cached, with 16- and 256-token blocks): attention FLOP/s against an 8k bf16
+  matmul (target: >= 60% of it), with and without TMA loads, and where nothing is cached
+  torch's varlen flash attention and cuDNN's fused attention over the dense equivalent.
 
     python benchmarks/bench_attention.py [--json out.json]
 """
@@ -192,7 +192,8 @@ def main() -> None:
         decode([ragged.randint(100, 2000) for _ in range(256)]),
         decode([ragged.randint(100, 2000) for _ in range(64)]),
     ]
-    prefills = [prefill([(1024, 0)] * 8), prefill([(8192, 0)]), prefill([(512, 1536)] * 4)]
+    prefills = [prefill([(8192 // n, 0)] * n) for n in (16, 8, 4, 2, 1)]
+    prefills.append(prefill([(512, 1536)] * 4))
     prefills.append(prefill([(512, 1536)] * 4, block=256))  # the cache through TMA
     print(
         f"attention kernels on {torch.cuda.get_device_name()}: copy "

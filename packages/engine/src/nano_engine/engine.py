@@ -131,6 +131,7 @@ class LLMEngine:
             self._stop_workers()
             raise
         self.sampler = Sampler(self.runner.device, mc.vocab_size)
+        self.sampler.warm_up(self.runner.dtype)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )

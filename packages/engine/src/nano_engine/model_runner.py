@@ -148,6 +148,8 @@ class ModelRunner:
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = self.layout.allocate(self.num_blocks, device)
         self.model.bind_kv_cache(self.kv_cache, self.backend)
+        if device.type == "cuda" and config.num_kvcache_blocks is not None:
+            self._warm_up_prefill()  # no sizing run did (the cache holds max_model_len tokens)
         log.info(
             "rank %d: KV cache of %d blocks x %d tokens = %d tokens (%.2f GB), attention "
             "backend %s",
@@ -219,14 +221,7 @@ class ModelRunner:
             probs.sort(dim=-1, descending=True)
             del probs
         del logits
-        # Single prompt chunks of several lengths up to the longest, each fresh and after a
-        # cached token (a prefix hit, a later chunk), so that no kernel variant (prefill tiles,
-        # cached keys or none) and no allocation a prompt needs comes first in mid-serving.
-        longest = max(2, min(tokens, self.max_model_len - 1))
-        for length in {longest, min(longest, 1024), min(longest, 64)}:
-            table = list(range(-(-length // self.block_size)))
-            for n in (length, length - 1):
-                self.execute(StepInput([0] * n, [n], [length], [table], 1, [n - 1]))
+        self._warm_up_prefill()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         graph_reserve = 0
@@ -258,6 +253,17 @@ class ModelRunner:
             total / 1e9,
         )
         return max(0, int(budget // self.layout.bytes_per_block))
+
+    def _warm_up_prefill(self) -> None:
+        """Run single prompt chunks of 64 and 1,024 tokens and of the longest a step can hold,
+        each fresh and after a cached token (a prefix hit, a later chunk), so that no kernel
+        variant (prefill tiles, cached keys or none) and no allocation a prompt needs comes
+        first in mid-serving. Writes the first blocks of the bound cache."""
+        longest = max(2, min(self.config.max_num_batched_tokens, self.max_model_len - 1))
+        for length in {longest, min(longest, 1024), min(longest, 64)}:
+            table = list(range(-(-length // self.block_size)))
+            for n in (length, length - 1):
+                self.execute(StepInput([0] * n, [n], [length], [table], 1, [n - 1]))
 
     def close(self) -> None:
         """Free the device memory: graphs, KV cache, weights."""

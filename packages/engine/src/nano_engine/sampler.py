@@ -55,6 +55,18 @@ class Sampler:
         self.fused = gumbel.available(device)
         self._rng = random.Random(torch.initial_seed())  # unseeded rows' Philox seeds
 
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the fused pass for logits [S, vocab] in the model's dtype and in float32
+        (logprobs, penalties and min_tokens make them float32) at start-up, not at the first
+        sampled request."""
+        if not self.fused:
+            return
+        inv_temperature = torch.ones(1, device=self.device)
+        seeds = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for d in {dtype, torch.float32}:
+            logits = torch.zeros(1, self.vocab_size, dtype=d, device=self.device)
+            gumbel.gumbel_argmax(logits, inv_temperature, seeds)
+
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's generator."""
         self._generators.pop(seq_id, None)
