@@ -42,9 +42,12 @@ def test_normalization():
         ({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must be <= max_tokens \(4\)"),
         ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids"),
         ({"logprobs": -1}, "logprobs must be an integer >= 0"),
-        ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be a 64-bit integer"),
+        ({"seed": 2**64}, "seed must be a 64-bit integer"),
+        ({"stop": 5}, "stop strings must be non-empty strings, got 5"),
+        ({"stop_token_ids": 2}, "stop_token_ids must be a list of token ids >= 0, got 2"),
     ],
 )
 def test_invalid_values_are_rejected_with_an_actionable_message(kwargs, message):
@@ -56,3 +59,8 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(ValueError) as info:
         SamplingParams(n=0, top_p=2.0)
     assert "n must be" in str(info.value) and "top_p must be" in str(info.value)
+    with pytest.raises(ValueError) as info:  # a field that is not a number hides no other
+        SamplingParams(temperature="hot", top_p=5, min_p="x", max_tokens=0)
+    for problem in ("temperature must be a number", "top_p must be in", "min_p must be a number"):
+        assert problem in str(info.value)
+    assert "max_tokens must be" in str(info.value)

@@ -177,6 +177,28 @@ def test_a_sequence_alone_in_a_pool_too_small_finishes_with_length():
     assert sched.block_manager.num_free_blocks == 3
 
 
+def test_a_preempted_sequence_longer_than_the_pool_finishes_with_length():
+    """Sharing its blocks through the prefix cache, a sequence can outgrow the whole pool; once
+    preempted it could never be admitted again, so it finishes with length, not wait forever."""
+    sched = make(
+        num_blocks=4, block_size=2, max_num_seqs=3, max_num_batched_tokens=7, max_model_len=10
+    )
+    a, b, c = seq(0, [1] * 4, max_tokens=4), seq(1, [1] * 7, max_tokens=7), seq(2, [1] * 4, 1)
+    for s in (a, b, c):
+        sched.add(s)
+    finished = []
+    for _ in range(20):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert not out.is_empty
+        finished += sched.update(out, [1] * len(out.sampling_seqs))  # a model that says 1
+    assert not sched.has_unfinished() and sorted(s.seq_id for s in finished) == [0, 1, 2]
+    assert b.finish_reason is FinishReason.LENGTH and b.num_tokens == 9  # 5 blocks: 4 exist
+    assert a.num_tokens == 8 and c.num_tokens == 5
+    assert sched.block_manager.num_free_blocks == 4
+
+
 def test_a_later_request_that_fits_passes_a_head_that_does_not():
     for lookahead, admitted in ((4, [1, 3]), (0, [1])):
         sched = make(num_blocks=8, block_size=4, watermark=0.0, admission_lookahead=lookahead)
@@ -266,6 +288,9 @@ def test_requests_that_can_never_run_are_rejected_at_add():
     sched.add(seq(4, range(3)))
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add(seq(4, range(3)))
+    for bad in ([1, 2.5], [3, -1], ["a"], [2, None], [2**70]):
+        with pytest.raises(ValueError, match=f"integers >= 0, the prompt has {bad[-1]!r}"):
+            sched.add(seq(5, bad))
     assert [s.seq_id for s in sched.waiting] == [4]
 
 

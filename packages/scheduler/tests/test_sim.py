@@ -146,6 +146,12 @@ def test_azure_trace_errors(tmp_path):
     bad.write_text("time,prompt\n1,2\n")
     with pytest.raises(ValueError, match="missing columns"):
         load_azure_trace(bad)
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_azure_trace(TRACE, limit=0)
+    nan = tmp_path / "nan.csv"  # a timestamp of nan would stall the virtual clock forever
+    nan.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,5\nnan,5,5\n")
+    with pytest.raises(ValueError, match="arrival_time must be a finite number"):
+        load_azure_trace(nan)
 
 
 def test_workload_validation():

@@ -39,8 +39,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         errors = list(self._errors())
         if errors:
             raise ValueError("invalid sampling parameters: " + "; ".join(errors))
@@ -50,6 +52,14 @@ class SamplingParams:
     def _errors(self):
         if not _is_int(self.n) or self.n < 1:
             yield f"n must be an integer >= 1, got {self.n!r}"
+        numbers = {
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        }
         for name in (
             "temperature",
             "top_p",
@@ -61,22 +71,22 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 yield f"{name} must be a number, got {value!r}"
-                return
-        if self.temperature < 0:
+                numbers.discard(name)
+        if "temperature" in numbers and self.temperature < 0:
             yield f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
             yield f"top_k must be an integer >= 0, or -1 (off), got {self.top_k!r}"
-        if not 0 < self.top_p <= 1:
+        if "top_p" in numbers and not 0 < self.top_p <= 1:
             yield f"top_p must be in (0, 1], got {self.top_p}"
-        if not 0 <= self.min_p <= 1:
+        if "min_p" in numbers and not 0 <= self.min_p <= 1:
             yield f"min_p must be in [0, 1], got {self.min_p}"
-        if self.repetition_penalty <= 0:
+        if "repetition_penalty" in numbers and self.repetition_penalty <= 0:
             yield f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}"
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
+            if name in numbers and not -2 <= getattr(self, name) <= 2:
                 yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
-        if self.seed is not None and not _is_int(self.seed):
-            yield f"seed must be an integer or None, got {self.seed!r}"
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            yield f"seed must be a 64-bit integer or None, got {self.seed!r}"
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             yield f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -87,10 +97,14 @@ class SamplingParams:
             and (self.min_tokens > self.max_tokens)
         ):
             yield f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(
+            not isinstance(s, str) or not s for s in self.stop
+        ):
             yield f"stop strings must be non-empty strings, got {self.stop!r}"
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            yield f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"
+        if not isinstance(self.stop_token_ids, list) or any(
+            not _is_int(t) or t < 0 for t in self.stop_token_ids
+        ):
+            yield f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             yield f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}"
 

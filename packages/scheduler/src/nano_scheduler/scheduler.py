@@ -11,7 +11,9 @@ runs), then ``resolve()`` with the sampled tokens.
 
 from __future__ import annotations
 
+import operator
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -86,11 +88,13 @@ class SchedulerStats(NamedTuple):
 class Scheduler:
     """Decides every step which sequences run and how many tokens each contributes.
 
-    ``add`` rejects with ``ValueError`` a sequence that could never run (prompt + 1 token over
-    ``max_model_len``, or more blocks than the whole pool). A running sequence that needs a block
-    when none is free preempts the newest running sequence (its blocks are freed and it goes back
-    to the front of the waiting queue, to be recomputed, mostly from the prefix cache). A sequence
-    alone in a pool too small for its next token finishes with reason ``length``.
+    ``add`` rejects with ``ValueError`` a sequence that could never run (an empty prompt, token
+    ids that are not integers >= 0, prompt + 1 token over ``max_model_len``, or more blocks than
+    the whole pool). A running sequence that needs a block when none is free preempts the newest
+    running sequence (its blocks are freed and it goes back to the front of the waiting queue, to
+    be recomputed, mostly from the prefix cache). A sequence that could never be admitted again
+    (alone in a pool too small for its next token, or longer than the pool after sharing blocks
+    through the prefix cache) finishes with reason ``length`` instead.
     """
 
     def __init__(
@@ -120,6 +124,13 @@ class Scheduler:
         prompt = seq.num_prompt_tokens
         if prompt == 0:
             raise ValueError("the prompt is empty")
+        try:  # C-speed check that every id is an int >= 0 (the block hashes need ints)
+            lowest = min(array("q", seq.token_ids))
+        except (TypeError, OverflowError):
+            lowest = -1
+        if lowest < 0:
+            bad = next(t for t in seq.token_ids if not _is_token_id(t))
+            raise ValueError(f"token ids must be integers >= 0, the prompt has {bad!r}")
         if prompt + 1 > cfg.max_model_len:
             raise ValueError(
                 f"the prompt ({prompt} tokens) is too long: with one generated token it exceeds "
@@ -208,6 +219,8 @@ class Scheduler:
         for seq in list(self.running):
             if not budget:
                 break
+            if seq.status is not _RUNNING:
+                continue  # a victim of _make_room (preempted or finished) this step
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 partial.append(seq)
                 continue
@@ -219,17 +232,18 @@ class Scheduler:
         return budget
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until seq can append; False if seq itself had
-        to go (preempted, or finished when alone in a pool too small for it)."""
+        """Preempt the newest running sequences until seq can append, finishing with length
+        those that could never be admitted again; False if seq itself had to go."""
         bm, running = self.block_manager, self.running
         while not bm.can_append(seq):
-            victim = running[-1]
-            if victim is seq and len(running) == 1:
-                running.pop()
-                self._finish(seq, FinishReason.LENGTH)
-                out.finished.append(seq)
-                return False
-            self._preempt(running.pop(), out)
+            victim = running.pop()
+            if not running or bm.num_blocks_for(len(victim.token_ids)) > bm.num_blocks:
+                # It could never be admitted again (its blocks alone exceed the pool, or it was
+                # alone and still did not fit): it ends here with what it has.
+                self._finish(victim, FinishReason.LENGTH)
+                out.finished.append(victim)
+            else:
+                self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
@@ -367,6 +381,13 @@ class Scheduler:
                 if end > index:
                     self.block_manager.commit(seq, end)
         return finished
+
+
+def _is_token_id(t: object) -> bool:
+    try:
+        return 0 <= operator.index(t) < 2**63
+    except TypeError:
+        return False
 
 
 def _scheduled_ends(output: SchedulerOutput) -> dict[int, int]:

@@ -9,6 +9,7 @@ as it would on real traffic.
 from __future__ import annotations
 
 import csv
+import math
 import random
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -27,6 +28,8 @@ class Request:
     prompt_token_ids: tuple[int, ...] | None = None  # explicit tokens (else drawn at arrival)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.arrival_time < math.inf:  # (nan too)
+            raise ValueError(f"arrival_time must be a finite number of seconds >= 0: {self}")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"a request needs >= 1 prompt and output token: {self}")
         if not 0 <= self.prefix_len <= self.prompt_len:
@@ -49,6 +52,8 @@ def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request
     """Read a trace in the Azure LLM inference format (TIMESTAMP, ContextTokens,
     GeneratedTokens). Arrival times are relative to the first request; rows with zero tokens
     are dropped (a request needs a prompt and one output token)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (or None for every request), got {limit}")
     rows = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
