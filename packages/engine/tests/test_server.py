@@ -191,6 +191,9 @@ def post(server, path, body=None, content=None, key=KEY):
 def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
     name = model_name(checkpoints)
     good = {"model": name, "prompt": "ok", "max_tokens": 3}
+    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    body = json.dumps({**good, "prompt": "x" * 70000}).encode()
+    chunked = (body[i : i + 4096] for i in range(0, len(body), 4096))  # sent chunked
     cases = [
         (
             post(server, "/v1/completions", {**good, "prompt": [7] * 400}),
@@ -199,7 +202,31 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         ),
         (post(server, "/v1/completions", {**good, "top_p": 0}), 400, "top_p"),
         (post(server, "/v1/completions", {**good, "temperature": -1}), 400, "temperature"),
-        (post(server, "/v1/completions", {**good, "model": "other"}), 400, "does not exist"),
+        (post(server, "/v1/completions", {**good, "model": "other"}), 404, "does not exist"),
+        (post(server, "/v1/nothing", good), 404, "Not Found"),
+        (post(server, "/v1/completions", {**good, "seed": 2**64}), 400, "seed"),
+        (post(server, "/v1/completions", {**good, "n": 129}), 400, r"\(n\)"),
+        (post(server, "/v1/completions", {**good, "logit_bias": {"5": 9}}), 400, "logit_bias"),
+        (
+            post(server, "/v1/completions", {**good, "min_tokens": 1, "stop_token_ids": [10**5]}),
+            400,
+            "stop_token_ids .* outside the vocabulary",
+        ),
+        (
+            post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}),
+            400,
+            "top_logprobs needs logprobs",
+        ),
+        (
+            post(server, "/tokenize", {"messages": [{"role": "robot", "content": "x"}]}),
+            400,
+            "chat template failed: unknown role robot",
+        ),
+        (
+            post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "robot"}]}),
+            400,
+            "chat template failed: unknown role robot",
+        ),
         (post(server, "/v1/completions", content=b'{"model": "x", "prompt": '), 400, "invalid"),
         (post(server, "/v1/completions", {"model": name}), 400, "prompt"),
         (post(server, "/v1/chat/completions", {"model": name, "messages": []}), 400, "messages"),
@@ -207,6 +234,7 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         (post(server, "/v1/completions", good, key=None), 401, "API key"),
         (post(server, "/v1/completions", good, key="wrong"), 401, "API key"),
         (post(server, "/v1/completions", {**good, "prompt": "x" * 70000}), 413, "over 65536"),
+        (post(server, "/v1/completions", content=chunked), 413, "over 65536"),  # no length
     ]
     for response, status, message in cases:
         assert response.status_code == status, response.text
@@ -217,6 +245,16 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         assert re.search(message, error["message"]), error["message"]
         ok = post(server, "/v1/completions", good)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
+    # the largest seed, and the n - 1 seeds after it (wrapped to 64 bits)
+    ok = post(server, "/v1/completions", {**good, "seed": 2**64 - 1, "n": 2, "temperature": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    # content as a list of text parts: the same prompt as their text joined by newlines
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    tokens = [
+        post(server, "/tokenize", {"messages": [{"role": "user", "content": c}]}).json()["tokens"]
+        for c in (parts, "hi\nthere")
+    ]
+    assert tokens[0] == tokens[1]
 
 
 def test_queue_limit_gives_503(checkpoints):

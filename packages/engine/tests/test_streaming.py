@@ -57,6 +57,23 @@ def test_stop_strings_across_token_boundaries_are_cut(llm):
     assert kept.text == cut + stop
 
 
+def test_a_stop_string_ending_in_the_last_allowed_token_finishes_with_stop(llm):
+    prompt = "The quick brown fox"
+    full = llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
+    texts = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    # the first k >= 4 whose text ends a 3-character stop string not found before it
+    k, stop = next(
+        (k, t[-3:])
+        for k, t in enumerate(texts[3:], 4)
+        if full.text.startswith(t)
+        and len(t) > len(texts[k - 2])
+        and full.text.index(t[-3:]) == len(t) - 3
+    )
+    out = llm.generate(prompt, greedy(k, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == k and out.text == texts[k - 1][:-3]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)  # not "length"
+
+
 def test_abort_frees_the_blocks(llm):
     engine = llm.engine
     stream = engine.add_request("A long answer please", greedy(2000))
@@ -175,6 +192,16 @@ def test_bad_input_raises_and_the_engine_keeps_serving(llm):
             "SamplingParams",
         ),
         (lambda: llm.generate([good, ""], greedy(5), use_tqdm=False), ValueError, "empty"),
+        (
+            lambda: llm.generate(good, greedy(5, logprobs=21), use_tqdm=False),
+            ValueError,
+            r"logprobs \(21\) is over the engine's limit of 20",
+        ),
+        (
+            lambda: llm.generate(good, greedy(5, stop_token_ids=[vocab]), use_tqdm=False),
+            ValueError,
+            "stop_token_ids .* outside the vocabulary",
+        ),
     ]
     for call, error, message in bad:
         with pytest.raises(error, match=message):

@@ -45,6 +45,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     async_scheduling: bool | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -89,6 +90,12 @@ class EngineConfig:
             yield "async_scheduling needs tensor_parallel_size 1"
         if not isinstance(self.seed, int):
             yield f"seed must be an integer, got {self.seed!r}"
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or self.max_logprobs < 0
+        ):
+            yield f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:

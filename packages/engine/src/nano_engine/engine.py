@@ -211,13 +211,24 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        most = min(self.config.max_logprobs, vocab)
+        if params.logprobs is not None and params.logprobs > most:
+            raise ValueError(
+                f"logprobs ({params.logprobs}) is over the engine's limit of {most} "
+                "(max_logprobs, the vocabulary size)"
+            )
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         now = time.monotonic()
         seqs, detoks = [], []
         for i in range(params.n):
             seq_params = params
-            if params.seed is not None and i:
-                seq_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            if params.seed is not None and i:  # (within 64 bits)
+                seed = params.seed + i if params.seed + i < 2**64 else params.seed + i - 2**64
+                seq_params = SamplingParams(**{**params.__dict__, "seed": seed})
             seqs.append(Sequence(next(self._seq_ids), ids, seq_params, now))
             detoks.append(
                 IncrementalDetokenizer(
@@ -436,8 +447,19 @@ class LLMEngine:
             if logprob is not None:
                 request.logprobs[index].append(logprob)
             detok = request.detokenizers[index]
-            if detok is not None and detok.add(token) and not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+            if (
+                detok is not None
+                and detok.add(token)
+                and seq.finish_reason
+                in (
+                    None,
+                    FinishReason.LENGTH,  # its last token: the stop string wins, as in vLLM
+                )
+            ):
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
                 request.stop_reasons[index] = detok.stop_reason
             elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
                 request.stop_reasons[index] = token

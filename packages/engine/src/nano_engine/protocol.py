@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nano_scheduler import SamplingParams
 
@@ -19,7 +19,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)  # (OpenAI's bound)
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str | list[str] | None = None
@@ -38,6 +38,24 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI fields not implemented here: an error where they would change the output, never
+    # silently ignored
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _implemented(self):
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (other than best_of = n)")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format is not supported (other than type text)")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """ValueError with the parameter's name for an invalid value."""
@@ -81,11 +99,23 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class ContentPart(BaseModel):
+    type: Literal["text"]  # (images and audio are not supported)
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self) -> dict:
+        """The message for the chat template: text parts joined by newlines (as vLLM does)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -103,6 +133,12 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else (self.max_tokens)
         )
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
     @property
     def num_logprobs(self) -> int | None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs
@@ -87,22 +88,29 @@ class Gate:
         ):
             denied = error_response(401, "a valid API key is required", "authentication_error")
             return await denied(scope, receive, send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
+        # The body is read here, whole (it is small), so that one over the limit gets 413
+        # however it was sent; the app then reads it from memory.
+        chunks, received, message = [], 0, {"more_body": True}
+        while message.get("more_body"):
             message = await receive()
-            received += len(message.get("body", b""))
+            if message["type"] != "http.request":  # the client left: let the app see it
+                return await self.app(scope, _replay([], message, receive), send)
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
             if received > self.max_bytes:
-                raise APIError(
-                    413, f"the request body is over {self.max_bytes} bytes", "request_too_large"
-                )
-            return message
+                return await too_big(scope, receive, send)
+        await self.app(scope, _replay(chunks, None, receive), send)
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except APIError:
-            await too_big(scope, receive, send)
+
+def _replay(chunks: list[bytes], first, receive):
+    """An ASGI receive that gives ``first`` (a message already taken), or the body read into
+    ``chunks`` as one message, then hands over to ``receive`` (disconnects)."""
+    pending = [first if first is not None else {"type": "http.request", "body": b"".join(chunks)}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 class Server:
@@ -125,6 +133,11 @@ class Server:
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError):
             return error_response(e.status, e.message, e.kind, e.param)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, e: StarletteHTTPException):  # 404, 405: no such route
+            kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+            return error_response(e.status_code, str(e.detail), kind)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, e: RequestValidationError):
@@ -171,8 +184,9 @@ class Server:
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(
-                400,
+                404,
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "not_found_error",
                 param="model",
             )
 
@@ -309,16 +323,7 @@ class Server:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
         params = self._params(body, body.max_new_tokens, body.num_logprobs)
-        tokenizer = self._tokenizer("chat completions")
-        try:
-            text = tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-            )
-        except Exception as e:  # a template that rejects these messages: the client's input
-            raise APIError(400, f"the chat template failed: {e}", param="messages") from e
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        ids = self._chat_ids(body.messages, body.add_generation_prompt, "chat completions")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._submit([ids], params, rid, body.stream)
         head = {
@@ -392,12 +397,7 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            text = tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            ids = tokenizer(text, add_special_tokens=False).input_ids
+            ids = self._chat_ids(body.messages, True, "tokenize")
         else:
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
@@ -420,6 +420,19 @@ class Server:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, what: str) -> list[int]:
+        """The token ids of messages through the chat template (400 where it rejects them)."""
+        tokenizer = self._tokenizer(what)
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # a template that rejects these messages: the client's input
+            raise APIError(400, f"the chat template failed: {e}", param="messages") from e
+        return tokenizer(text, add_special_tokens=False).input_ids
 
     def _token(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
