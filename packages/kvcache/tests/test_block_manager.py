@@ -214,6 +214,17 @@ def test_may_append_adds_a_block_at_each_boundary_and_commits_full_blocks():
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table
 
 
+def test_may_append_commits_every_block_that_several_new_tokens_fill():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Seq(range(3))
+    prefill(bm, a)
+    a.token_ids += [3, 4, 5, 6, 7, 8]  # fills blocks 0 and 1, ends inside block 2
+    bm.may_append(a)
+    b = Seq([*range(8), 99])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+
+
 def test_block_size_one():
     bm = BlockManager(num_blocks=8, block_size=1)
     a = Seq([3, 4, 5])
@@ -273,6 +284,22 @@ def test_deallocating_an_unknown_sequence_is_an_error():
     foreign.block_table = [0]
     with pytest.raises(UnknownSequenceError):
         bm.deallocate(foreign)
+    assert bm.num_free_blocks == 4
+    # Nor committed or appended to: that would key blocks it does not own.
+    foreign = Seq([1, 2, 3, 4, 5])
+    foreign.block_table = [0, 1, 2]
+    for call in (lambda: bm.commit(foreign, 4), lambda: bm.may_append(foreign)):
+        with pytest.raises(UnknownSequenceError):
+            call()
+    assert bm.hash_to_block == {}
+
+
+def test_bad_arguments_are_errors():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    with pytest.raises(KVCacheError, match="no tokens"):
+        bm.allocate(Seq([]))
+    with pytest.raises(ValueError, match="reserve must be >= 0"):
+        bm.can_allocate(Seq([1, 2]), reserve=-2)
     assert bm.num_free_blocks == 4
 
 

@@ -170,6 +170,8 @@ class BlockManager:
     def can_allocate(self, seq: KVSequence, reserve: int = 0) -> bool:
         """Whether ``allocate(seq)`` would succeed now and leave at least ``reserve`` blocks free
         (prefix-cache hits counted)."""
+        if reserve < 0:
+            raise ValueError(f"reserve must be >= 0, got {reserve}")
         needed = self.num_blocks_for(len(seq.token_ids))
         if needed > self.num_blocks:
             return False
@@ -184,6 +186,8 @@ class BlockManager:
         """
         if id(seq) in self._owners or seq.block_table:
             raise KVCacheError("the sequence already holds blocks; deallocate it first")
+        if not seq.token_ids:
+            raise KVCacheError("the sequence has no tokens")
         needed = self._check_fits_pool(seq)
         hits = self._cached_prefix(seq)
         take = self._blocks_to_take(needed, hits)
@@ -265,21 +269,23 @@ class BlockManager:
     def may_append(self, seq: KVSequence) -> None:
         """Called after tokens were appended to seq: add blocks up to its length and commit the
         blocks that these tokens fill."""
+        if id(seq) not in self._owners:
+            raise UnknownSequenceError("may_append on a sequence that was never allocated")
         num_tokens = len(seq.token_ids)
         table = seq.block_table
         bs = self.block_size
         if len(table) * bs < num_tokens:
             self._grow(seq, num_tokens)
-        if num_tokens % bs == 0 and self.enable_prefix_caching:
-            index = num_tokens // bs - 1
-            if index == 0 or self.blocks[table[index - 1]].hash != _NO_HASH:
+        index = num_tokens // bs - 1  # the last full block
+        if self.enable_prefix_caching and index >= 0 and self.blocks[table[index]].hash == _NO_HASH:
+            if num_tokens % bs == 0 and (
+                index == 0 or self.blocks[table[index - 1]].hash != _NO_HASH
+            ):
                 self._register(seq, index)  # the usual decode case: one block just filled
             else:
                 self.commit(seq, num_tokens)
 
     def _grow(self, seq: KVSequence, num_tokens: int) -> None:
-        if id(seq) not in self._owners:
-            raise UnknownSequenceError("may_append on a sequence that was never allocated")
         missing = -(-num_tokens // self.block_size) - len(seq.block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocksError(
@@ -291,6 +297,8 @@ class BlockManager:
     def commit(self, seq: KVSequence, num_tokens: int) -> None:
         """Declare the KV of seq's first ``num_tokens`` tokens written (or being written by the step
         now scheduled), so its full blocks among them can be shared by later sequences."""
+        if id(seq) not in self._owners:
+            raise UnknownSequenceError("commit on a sequence that holds no blocks of this manager")
         if not self.enable_prefix_caching:
             return
         table, blocks, bs = seq.block_table, self.blocks, self.block_size
