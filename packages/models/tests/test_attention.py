@@ -153,6 +153,22 @@ def test_context_knows_whether_a_prefill_follows_cached_tokens():
     assert not ForwardContext.build([1, 1], [5, 7], tables[:2], 16, num_prefills=0).cached_prefix
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (([2, 1], [5, 7], [[0]], 16, 1), "one entry per sequence"),
+        (([1, 2], [5, 7], [[0], [1]], 16, 1), "sequence 1 is a decode"),
+        (([5], [3], [[0]], 16, 1), r"sequence 0: 5 new tokens, context 3"),
+        (([0], [3], [[0]], 16, 1), "sequence 0: 0 new tokens"),
+        (([1], [20], [[0]], 16, 1), "1 blocks of 16"),
+        (([1], [3], [[0]], 16, 2), r"num_prefills must be in \[0, 1\]"),
+    ],
+)
+def test_context_rejects_lists_that_describe_no_batch(args, message):
+    with pytest.raises(ValueError, match=message):
+        ForwardContext.build(*args[:4], num_prefills=args[4])
+
+
 def test_context_lists_the_decodes_longest_first():
     ctx = ForwardContext.build(
         [4, 1, 1, 1, 1], [4, 7, 30, 7, 2], [[0], [1], [2, 3], [4], [5]], 16, num_prefills=1

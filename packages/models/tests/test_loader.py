@@ -89,6 +89,24 @@ def test_wrong_shape_is_named(checkpoint, tmp_path):
         load_model(copy_with(checkpoint, tmp_path, shrink))
 
 
+def test_integer_weights_are_named(checkpoint, tmp_path):
+    def to_int(t):
+        t["model.norm.weight"] = torch.arange(64)
+
+    with pytest.raises(ValueError, match=r"model\.norm\.weight is torch.int64, not floating"):
+        load_model(copy_with(checkpoint, tmp_path, to_int))
+
+
+def test_a_tensor_in_two_files_is_named(checkpoint, tmp_path):
+    path = copy_with(checkpoint, tmp_path)
+    save_file({"model.norm.weight": torch.full((64,), 7.0)}, path / "zz-extra.safetensors")
+    with pytest.raises(
+        ValueError,
+        match=r"model\.norm\.weight is in both model\.safetensors and zz-extra\.safetensors",
+    ):
+        load_model(path)
+
+
 def test_unexpected_tensor_is_named(checkpoint, tmp_path):
     def add(t):
         t["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
@@ -132,6 +150,22 @@ def test_unsupported_rope_scaling_is_named(checkpoint, tmp_path):
     )
     with pytest.raises(ValueError, match="rope scaling 'llama3' needs the parameter"):
         load_model(path)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(checkpoint, tmp_path):
+    """A model card's YaRN, added as rope_scaling to a config that has rope_parameters."""
+    from helpers import reference_logits
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = copy_with(checkpoint, tmp_path, edit_config=lambda c: c.update(rope_scaling=yarn))
+    assert "rope_parameters" in json.loads((path / "config.json").read_text())
+    assert ModelConfig.from_pretrained(path).rope_scaling["rope_type"] == "yarn"
+    tokens = list(range(1, 100))
+    ours = PagedRunner(path).step([(0, tokens, 0)], 1)[0]
+    expected = reference_logits(load_reference(path), tokens)
+    plain = reference_logits(load_reference(checkpoint), tokens)
+    assert (expected - plain).abs().max() > 0.1  # YaRN changes these logits
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=2e-4)
 
 
 def test_pickled_weights_are_never_loaded(checkpoint, tmp_path):

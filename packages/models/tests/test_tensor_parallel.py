@@ -24,7 +24,8 @@ def free_port() -> int:
 
 def run_steps(runner: PagedRunner, seqs: list[list[int]]) -> list[torch.Tensor | None]:
     """A batched prefill of all but the last token of each sequence, then a decode of it."""
-    out = [runner.step([(i, s[:-1], 0) for i, s in enumerate(seqs)], len(seqs))]
+    prefills = [(i, s[:-1], 0) for i, s in enumerate(seqs) if len(s) > 1]
+    out = [runner.step(prefills, len(prefills))]
     out.append(runner.step([(i, s[-1:], len(s) - 1) for i, s in enumerate(seqs)], 0))
     return out
 

@@ -52,9 +52,11 @@ class ModelConfig:
             raise ValueError(f"config.json lacks {missing}")
         heads = config["num_attention_heads"]
         # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta and
-        # rope_scaling.
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        # rope_scaling. Where both are given, rope_scaling wins, as in transformers (a model card
+        # that enables YaRN adds rope_scaling to a config that has rope_parameters already).
+        params = config.get("rope_parameters") or {}
+        rope = dict(config.get("rope_scaling") or params)
+        theta = rope.pop("rope_theta", params.get("rope_theta", config.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = config.get("eos_token_id")
         dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"

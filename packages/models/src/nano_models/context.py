@@ -65,7 +65,23 @@ class ForwardContext:
         """From per-sequence lists (prefills first): new tokens, context lengths after the step,
         block tables. The slot of the i-th new token of a sequence with context L and n new
         tokens is that of position L - n + i. logits_indices default: each sequence's last
-        new token."""
+        new token. ValueError for lists that do not describe such a batch."""
+        count = len(query_lens)
+        if len(seq_lens) != count or len(block_tables) != count:
+            raise ValueError(
+                f"query_lens, seq_lens and block_tables must have one entry per sequence, got "
+                f"{count}, {len(seq_lens)} and {len(block_tables)}"
+            )
+        if not 0 <= num_prefills <= count:
+            raise ValueError(f"num_prefills must be in [0, {count}], got {num_prefills}")
+        for b, (n, length, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+            if not 1 <= n <= length or len(table) * block_size < length:
+                raise ValueError(
+                    f"sequence {b}: {n} new tokens, context {length}, {len(table)} blocks of "
+                    f"{block_size}: needs 1 <= new tokens <= context <= its blocks' tokens"
+                )
+            if b >= num_prefills and n != 1:
+                raise ValueError(f"sequence {b} is a decode (after the prefills): one new token")
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + n)

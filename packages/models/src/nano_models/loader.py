@@ -112,6 +112,7 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
         expected.pop("lm_head.weight", None)
     loaded: dict[str, set] = {name: set() for name in expected}
     unexpected: list[str] = []
+    seen: dict[str, str] = {}  # tensor name -> the file it came from
     report = LoadReport()
     for file in checkpoint_files(path):
         report.files.append(file.name)
@@ -123,6 +124,9 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
                 if target not in loaded:
                     unexpected.append(name)
                     continue
+                if name in seen:
+                    raise ValueError(f"tensor {name} is in both {seen[name]} and {file.name}")
+                seen[name] = file.name
                 tensor_slice = f.get_slice(name)
                 source = WeightSource(
                     name,
@@ -131,6 +135,8 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
                     lambda index, s=tensor_slice: s[index],
                 )
                 param = params[target]
+                if param.is_floating_point() and not source.dtype.is_floating_point:
+                    raise ValueError(f"tensor {name} is {source.dtype}, not floating point")
                 getattr(param, "weight_loader", default_weight_loader)(param, source, shard)
                 loaded[target].add(shard)
                 report.tensors += 1
