@@ -81,3 +81,15 @@ def test_bad_arguments_are_reported():
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = run("generate", str(TINY), "--prompt", "x")
     assert proc.returncode == 2 and "is a file" in proc.stderr
+    proc = run("bench", str(TINY), "--load-format", "dummy", "--repeat", "0")
+    assert proc.returncode == 2 and "--repeat: must be >= 1, got 0" in proc.stderr
+    proc = run("serve", str(TINY), "--port", "99999")
+    assert proc.returncode == 2 and "a port is 0-65535, got 99999" in proc.stderr
+
+
+def test_bench_on_a_model_with_a_small_vocabulary(checkpoints):
+    """nano-vllm's prompt ids go up to 10,000: folded into a smaller vocabulary."""
+    args = ("--num-seqs", "4", "--input-len", "8", "16", "--output-len", "4", "8")
+    proc = run("bench", checkpoints("qwen3"), *args, "--max-model-len", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stdout

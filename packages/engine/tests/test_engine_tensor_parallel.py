@@ -37,3 +37,17 @@ def test_tp2_gives_the_tokens_of_tp1_and_a_dead_worker_is_reported(checkpoints):
         assert time.monotonic() - start < 10
         with pytest.raises(EngineDeadError):
             llm.generate("more", GREEDY, use_tqdm=False)
+
+
+def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints):
+    """An error past the model load (here the scheduler's policy) stops the workers and the
+    process group: the next engine of this process starts."""
+    import torch.distributed as dist
+
+    path = checkpoints("qwen3")
+    options = {"kvcache_block_size": 4, "device": "cpu", "tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match="policy"):
+        LLM(path, scheduling_policy="nope", **options)
+    assert not dist.is_initialized()
+    with LLM(path, **options) as llm:
+        assert llm.generate("again", GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -27,11 +27,11 @@ def allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:
     """The tokens a filter keeps, computed one token at a time in float64."""
     probs = torch.softmax(logits.double() / p.temperature, -1).tolist()
     order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    ranked = order[: p.top_k] if p.top_k else order
+    total = sum(probs[t] for t in ranked)  # top-p is a share of what top-k kept
     keep, mass = set(), 0.0
-    for rank, t in enumerate(order):
-        if p.top_k and rank >= p.top_k:
-            break
-        if p.top_p < 1 and mass >= p.top_p:
+    for t in ranked:
+        if p.top_p < 1 and mass >= p.top_p * total:
             break
         keep.add(t)
         mass += probs[t]
@@ -59,6 +59,21 @@ def test_filters_never_emit_a_token_outside_the_allowed_set(p):
             assert token in allowed(logits[row], p), (row, token)
             seen.add((row, token))
     assert len(seen) > 64  # it does sample, not only pick the top token
+
+
+def test_top_p_is_a_share_of_the_top_k_tokens():
+    """As in vLLM and transformers: top-k keeps .4 and .3, renormalized .57 and .43; top_p 0.5
+    then keeps the first alone (a share of the whole distribution would keep both)."""
+    probs = torch.full((VOCAB,), 0.2 / (VOCAB - 2))
+    probs[:2] = torch.tensor([0.4, 0.3])
+    logits = probs.log().expand(256, VOCAB)
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    p = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    tokens, _ = sampler(logits.clone(), sampler.prepare(seqs_for([p] * 256)))
+    assert set(tokens) == {0}
+    p = SamplingParams(temperature=1.0, top_k=2, top_p=0.6)
+    tokens, _ = sampler(logits.clone(), sampler.prepare(seqs_for([p] * 256)))
+    assert set(tokens) == {0, 1}
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():

@@ -74,6 +74,41 @@ def test_a_stop_string_ending_in_the_last_allowed_token_finishes_with_stop(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)  # not "length"
 
 
+def test_stop_strings_count_from_min_tokens_on(llm):
+    prompt = "The quick brown fox"
+    full = llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
+    stop = full.text[0]  # in the first token's text
+    early = llm.generate(prompt, greedy(20, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) < 10 and early.finish_reason == "stop"
+    late = llm.generate(prompt, greedy(20, stop=[stop], min_tokens=10), use_tqdm=False)
+    assert len(late[0].outputs[0].token_ids) >= 10
+
+
+def test_the_stop_token_text_is_left_out_unless_asked_for(llm):
+    prompt = "The quick brown fox"
+    ids = llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    i = next(i for i in range(3, 20) if ids[i] not in ids[:i])  # its first occurrence
+    decode = llm.tokenizer.decode
+    out = llm.generate(prompt, greedy(20, stop_token_ids=[ids[i]]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[: i + 1] and out.text == decode(ids[:i])
+    assert (out.finish_reason, out.stop_reason) == ("stop", ids[i])
+    params = greedy(20, stop_token_ids=[ids[i]], include_stop_str_in_output=True)
+    kept = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert kept.text == decode(ids[: i + 1])
+
+
+def test_outputs_report_the_prefix_cache_hits(llm):
+    prompt = [11 + i % 7 for i in range(40)]
+    first, second = (llm.generate(prompt, greedy(1), use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 36)  # 9 blocks of 4
+
+
+def test_seeded_requests_leave_no_generator_behind(llm):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=30, stop=["e", "a", " "])
+    llm.generate(["Seeded one", "Seeded two"] * 10, params, use_tqdm=False)
+    assert llm.engine.sampler._generators == {}
+
+
 def test_abort_frees_the_blocks(llm):
     engine = llm.engine
     stream = engine.add_request("A long answer please", greedy(2000))

@@ -38,8 +38,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; True if a stop string now ends the text."""
+    def add(self, token_id: int, may_stop: bool = True) -> bool:
+        """Append a token; True if a stop string now ends the text (looked for only where
+        ``may_stop``)."""
         self.token_ids.append(token_id)
         ids = self._context + self.token_ids
         prefix = self._decode(ids[self._prefix_offset : self._read_offset])
@@ -49,7 +50,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return self._find_stop(before)
+        return may_stop and self._find_stop(before)
 
     def _find_stop(self, new_from: int) -> bool:
         for stop in self.stop:

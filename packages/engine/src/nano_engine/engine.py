@@ -127,25 +127,25 @@ class LLMEngine:
             tp = init_group(0, config.tensor_parallel_size, self.workers.port, device)
         try:
             self.runner = ModelRunner(config, mc, device, tp, self.max_model_len)
-        except BaseException:
+            self.sampler = Sampler(self.runner.device, mc.vocab_size)
+            self.sampler.warm_up(self.runner.dtype)
+            self.block_manager = BlockManager(
+                self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
+            )
+            self.scheduler = Scheduler(
+                SchedulerConfig(
+                    max_num_seqs=config.max_num_seqs,
+                    max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                    max_model_len=self.max_model_len,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                    policy=config.scheduling_policy,
+                    eos_token_ids=frozenset(self.eos_token_ids),
+                ),
+                self.block_manager,
+            )
+        except BaseException:  # (workers and the process group would outlive the engine)
             self._stop_workers()
             raise
-        self.sampler = Sampler(self.runner.device, mc.vocab_size)
-        self.sampler.warm_up(self.runner.dtype)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                eos_token_ids=frozenset(self.eos_token_ids),
-            ),
-            self.block_manager,
-        )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
         self._seq_ids = itertools.count()
@@ -441,28 +441,34 @@ class LLMEngine:
         # (those finished while scheduling the step come first: their outputs are out already)
         for seq in finished[len(step.pending.output.finished) :]:
             self._touch(touched, seq)
-        for row, seq, _ in step.pending.slots:
+        for row, seq, position in step.pending.slots:
             token, logprob = tokens[row], logprobs[row]
             request, index = self._touch(touched, seq)
             if logprob is not None:
                 request.logprobs[index].append(logprob)
+            stop_token = (  # the token that stopped seq (eos, stop_token_ids)
+                seq.finish_reason is FinishReason.STOP
+                and position == len(seq.token_ids) - 1
+                and token in seq.stop_token_ids
+            )
+            if stop_token and token in seq.params.stop_token_ids:
+                request.stop_reasons[index] = token
             detok = request.detokenizers[index]
-            if (
-                detok is not None
-                and detok.add(token)
-                and seq.finish_reason
-                in (
-                    None,
-                    FinishReason.LENGTH,  # its last token: the stop string wins, as in vLLM
-                )
+            if detok is None or detok.stop_reason is not None:
+                continue  # (no text, or its text ended at a stop string)
+            if stop_token and not seq.params.include_stop_str_in_output:
+                continue  # its text is left out, as in vLLM
+            # Stop strings count once min_tokens are out, as for stop tokens (vLLM too).
+            may_stop = position + 1 - seq.num_prompt_tokens >= seq.params.min_tokens
+            if detok.add(token, may_stop) and seq.finish_reason in (
+                None,
+                FinishReason.LENGTH,  # its last token: the stop string wins, as in vLLM
             ):
                 if seq.is_finished:
                     seq.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(seq.seq_id, FinishReason.STOP)
                 request.stop_reasons[index] = detok.stop_reason
-            elif seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids:
-                request.stop_reasons[index] = token
         return arrived - wait
 
     def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
@@ -508,7 +514,7 @@ class LLMEngine:
             "first_token_time": first or 0.0,
             "last_token_time": now,
         }
-        cached = request.seqs[0].num_cached_tokens if not finished else 0
+        cached = request.seqs[0].num_prefix_cached_tokens
         return RequestOutput(
             request.request_id,
             request.prompt,

@@ -127,7 +127,8 @@ class Sampler:
                 gen = self._generators.get(seq.seq_id)
                 if gen is None:
                     gen = torch.Generator(device=dev).manual_seed(p.seed)
-                    self._generators[seq.seq_id] = gen
+                    if not seq.is_finished:  # (released already: a step in flight finished it)
+                        self._generators[seq.seq_id] = gen
                 batch.seeded.append((row, gen))
         if any(
             p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params
@@ -221,9 +222,11 @@ class Sampler:
                 ranks = torch.arange(probs.shape[-1], device=probs.device)
                 drop |= ranks[None, :] >= batch.top_k[:, None]
             if batch.top_p is not None:
-                # Keep the smallest prefix whose mass reaches top_p (the first token always).
-                before = sorted_probs.cumsum(dim=-1) - sorted_probs
-                drop |= before >= batch.top_p[:, None]
+                # Keep the smallest prefix whose mass reaches top_p of what top-k kept (the
+                # first token always), as vLLM and transformers do.
+                kept = sorted_probs.masked_fill(drop, 0)
+                before = kept.cumsum(dim=-1) - kept
+                drop |= before >= batch.top_p[:, None] * kept.sum(dim=-1, keepdim=True)
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
         if batch.min_p is not None:
             floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values

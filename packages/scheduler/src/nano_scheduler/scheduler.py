@@ -288,6 +288,7 @@ class Scheduler:
             seq.status = _RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
+                seq.num_prefix_cached_tokens = seq.num_cached_tokens
             self.running.append(seq)
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             budget = self._add_chunk(seq, min(remaining, budget), out, budget)

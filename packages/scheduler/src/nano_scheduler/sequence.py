@@ -44,6 +44,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_prefix_cached_tokens = 0  # prefix-cache hits at the first admission
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         # Set by the scheduler when the sequence is added: where it stops.
