@@ -141,6 +141,16 @@ def test_azure_trace_loading_and_rate_scaling():
     assert faster[1].arrival_time == pytest.approx(requests[1].arrival_time / 2)
 
 
+def test_the_2024_trace_timestamps_with_a_utc_offset(tmp_path):
+    trace = tmp_path / "az2024.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.009930+00:00,5,5\n2024-05-10 00:00:01.509930+00:00,6,6\n"
+    )
+    requests = load_azure_trace(trace)
+    assert [r.arrival_time for r in requests] == pytest.approx([0.0, 1.5])
+
+
 def test_azure_trace_errors(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("time,prompt\n1,2\n")
@@ -237,6 +247,54 @@ def test_cli_reports_bad_input():
     assert proc.returncode == 2 and "nano-sim: error" in proc.stderr
     proc = run_cli("--synthetic", "5", "--model-config", str(QWEN3_06B), "--gpu", "tpu")
     assert proc.returncode == 2 and "unknown GPU 'tpu'" in proc.stderr
+    model = ("--model-config", str(QWEN3_06B))
+    for args, message in [
+        (("--synthetic", "5", "--step-overhead-ms", "-10"), "--step-overhead-ms must be >= 0"),
+        (("--synthetic", "5", "--bandwidth", "0"), "--bandwidth must be > 0"),
+        (("--synthetic", "5", "--block-size", "0"), "--block-size must be >= 1"),
+        (("--nano-vllm-bench", "--rate", "3"), "--rate would be ignored with --nano-vllm-bench"),
+        (("--trace", str(TRACE), "--input-len", "5", "9"), "--input-len would be ignored with"),
+        (("--synthetic", "5", "--limit", "3"), "--limit would be ignored with --synthetic"),
+        (
+            ("--synthetic", "5", "--fitted", "x.json", "--step-overhead-ms", "2"),
+            "--step-overhead-ms would be ignored with --fitted",
+        ),
+    ]:
+        proc = run_cli(*args, *model)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_json_has_null_where_a_metric_has_no_value(tmp_path):
+    """One output token per request: no inter-token latency (NaN is not JSON)."""
+    out = tmp_path / "sim.json"
+    args = ("--synthetic", "5", "--input-len", "10", "20", "--output-len", "1", "1")
+    proc = run_cli(*args, "--model-config", str(QWEN3_06B), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    json.loads(out.read_text(), parse_constant=pytest.fail)
+    assert "null" in out.read_text()
+
+
+def test_records_and_rejections_name_requests_by_their_index_in_the_workload():
+    from nano_scheduler.sim import Request
+
+    requests = [Request(5.0, 10, 3), Request(0.0, 5000, 7), Request(1.0, 20, 2)]
+    result = simulate(requests, ZeroCost(), max_model_len=1024)
+    assert [i for i, _ in result.rejected] == [1]
+    assert {r.request: r.prompt_len for r in result.requests} == {0: 10, 2: 20}
+
+
+def test_fitting_needs_steps_that_determine_every_coefficient():
+    model = FittedCostModel({"const": 2e-3, "tokens": 3e-6, "seqs": 1e-5, "decode_context": 2e-8})
+    decodes = [BatchShape([], [c] * n, n) for n in (1, 8, 64) for c in (100, 900, 4000)]
+    with pytest.raises(ValueError, match="do not determine the cost model"):
+        FittedCostModel.fit([(b, model.step_time(b)) for b in decodes])
+
+
+def test_bad_samples_are_named(tmp_path):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"samples": [{"prefills": [], "decodes": [5]}]}))
+    with pytest.raises(ValueError, match=r"sample 0 needs .* seconds"):
+        FittedCostModel.from_json(path)
 
 
 def test_plots_are_written(tmp_path):

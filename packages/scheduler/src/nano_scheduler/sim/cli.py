@@ -98,7 +98,52 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Values out of range and options that the chosen workload or cost model would ignore."""
+    for name in ("bandwidth", "tflops", "gpu_memory", "rate", "rate_scale"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.step_overhead_ms < 0:
+        raise ValueError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    problems = []
+    if args.fitted:
+        on = [("--bandwidth", args.bandwidth is not None), ("--tflops", args.tflops is not None)]
+        on.append(("--step-overhead-ms", args.step_overhead_ms != 0))
+        problems += [f"{flag} would be ignored with --fitted" for flag, given in on if given]
+    source = "--trace" if args.trace else "--nano-vllm-bench" if args.nano_vllm_bench else None
+    uses = {"--trace": {"--limit"}, "--nano-vllm-bench": set()}.get(source)
+    if uses is None:  # synthetic: everything but --limit
+        source, uses = "--synthetic", {"--rate", "--input-len", "--output-len"}
+        uses |= {"--num-prefixes", "--prefix-len"}
+    given = {
+        "--limit": args.limit is not None,
+        "--rate": args.rate is not None,
+        "--input-len": tuple(args.input_len) != (100, 1024),
+        "--output-len": tuple(args.output_len) != (100, 1024),
+        "--num-prefixes": args.num_prefixes != 0,
+        "--prefix-len": args.prefix_len != 0,
+    }
+    problems += [
+        f"{flag} would be ignored with {source}"
+        for flag, on in given.items()
+        if on and flag not in uses
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
 def _run(args: argparse.Namespace) -> int:
+    _check(args)
     config_path = args.model_config
     if config_path.is_dir():
         config_path = config_path / "config.json"
@@ -107,9 +152,9 @@ def _run(args: argparse.Namespace) -> int:
     gpu = GPU.preset(args.gpu)
     gpu = GPU(
         gpu.name,
-        args.bandwidth * 1e12 if args.bandwidth else gpu.mem_bandwidth,
-        args.tflops * 1e12 if args.tflops else gpu.flops,
-        args.gpu_memory * 1e9 if args.gpu_memory else gpu.memory,
+        args.bandwidth * 1e12 if args.bandwidth is not None else gpu.mem_bandwidth,
+        args.tflops * 1e12 if args.tflops is not None else gpu.flops,
+        args.gpu_memory * 1e9 if args.gpu_memory is not None else gpu.memory,
     )
     if args.fitted:
         cost = FittedCostModel.from_json(args.fitted)

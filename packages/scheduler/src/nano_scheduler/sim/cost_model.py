@@ -50,6 +50,14 @@ class CostModel(Protocol):
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
+def _dtype_bytes(dtype: str) -> int:
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(
+            f"unsupported dtype {dtype!r} in the model config; known: {sorted(_DTYPE_BYTES)}"
+        )
+    return _DTYPE_BYTES[dtype]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The dimensions of a decoder-only transformer that decide its cost."""
@@ -83,7 +91,7 @@ class ModelShape:
                 intermediate_size=config["intermediate_size"],
                 vocab_size=config["vocab_size"],
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                dtype_bytes=_DTYPE_BYTES[dtype],
+                dtype_bytes=_dtype_bytes(dtype),
             )
         except KeyError as e:
             raise ValueError(f"the model config lacks {e}; need a decoder-only HF config") from e
@@ -136,7 +144,8 @@ class GPU:
 
 
 GPU_PRESETS = {
-    # Measured on our H200: device-to-device copy and an 8k bf16 matmul (benchmarks/RESULTS.md).
+    # An H200: the device-to-device copy measured on ours (4.2-4.3 TB/s, benchmarks/RESULTS.md)
+    # and the bf16 matrix rate of the machine notes (790 TFLOP/s; our 8k matmul gets 680-773).
     "h200": GPU("h200", 4.3e12, 790e12, 141e9),
     # Datasheet peaks, for comparison.
     "h100": GPU("h100", 3.35e12, 989e12, 80e9),
@@ -214,7 +223,13 @@ class FittedCostModel:
             for i in range(k)
         ]
         aty = [sum(r[i] * t for r, t in zip(x, y)) for i in range(k)]
-        solution = _solve(ata, aty)
+        solution, weakest = _solve(ata, aty)
+        if weakest is not None:
+            raise ValueError(
+                f"the measured steps do not determine the cost model: {FEATURES[weakest]} "
+                "varies too little, or only with the other features (measure prefill and "
+                "decode steps of several shapes, as nano-engine bench --step-log does)"
+            )
         return cls({name: c / s for name, c, s in zip(FEATURES, solution, scale)})
 
     @classmethod
@@ -223,17 +238,20 @@ class FittedCostModel:
         if "coefficients" in data:
             return cls(data["coefficients"])
         if "samples" in data:
-            samples = [
-                (
-                    BatchShape(
+            samples = []
+            for i, s in enumerate(data["samples"]):
+                try:
+                    batch = BatchShape(
                         [tuple(p) for p in s["prefills"]],
                         list(s["decodes"]),
                         int(s.get("num_sampled", len(s["prefills"]) + len(s["decodes"]))),
-                    ),
-                    float(s["seconds"]),
-                )
-                for s in data["samples"]
-            ]
+                    )
+                    samples.append((batch, float(s["seconds"])))
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ValueError(
+                        f"{path}: sample {i} needs prefills [[new, cached], ...], decodes "
+                        f"[context, ...] and seconds ({type(e).__name__}: {e})"
+                    ) from None
             return cls.fit(samples)
         raise ValueError(f"{path}: expected 'coefficients' or 'samples'")
 
@@ -241,12 +259,17 @@ class FittedCostModel:
         Path(path).write_text(json.dumps({"coefficients": self.coefficients}, indent=2))
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (5 x 5, regularized: never singular)."""
+def _solve(a: list[list[float]], b: list[float]) -> tuple[list[float], int | None]:
+    """Gaussian elimination with partial pivoting of the normal equations (columns scaled to
+    at most 1), and the first column whose pivot is negligible (None: all independent)."""
     n = len(b)
     m = [[*row, v] for row, v in zip(a, b)]
+    largest = max(abs(a[i][i]) for i in range(n))
+    weakest = None
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if weakest is None and abs(m[pivot][col]) < 1e-9 * largest:
+            weakest = col
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
@@ -255,4 +278,4 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
         x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
+    return x, weakest

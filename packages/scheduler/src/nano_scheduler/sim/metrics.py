@@ -165,7 +165,7 @@ class SimResult:
             "timeline": self.timeline.sampled(),
             "rejected": [{"request": i, "error": e} for i, e in self.rejected],
         }
-        Path(path).write_text(json.dumps(data, indent=2))
+        Path(path).write_text(json.dumps(_no_nan(data), indent=2))  # (NaN is not JSON: null)
 
     def plot(self, path: str | Path) -> None:
         """Latency CDFs (TTFT, ITL, end to end) and KV usage and batch size over time."""
@@ -233,3 +233,13 @@ def format_summary(summary: dict) -> str:
         f"{summary['batch_size']['mean']:.1f}, max {summary['batch_size']['max']}"
     )
     return "\n".join(lines)
+
+
+def _no_nan(value):
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value

@@ -36,7 +36,9 @@ class Simulator:
     ) -> None:
         if not requests:
             raise ValueError("the workload is empty")
-        self.requests = sorted(requests, key=lambda r: r.arrival_time)
+        # In arrival order; records and rejections name each request by its index in ``requests``.
+        self._index = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
+        self.requests = [requests[i] for i in self._index]
         self.cost_model = cost_model
         self.config = config
         self.seed = seed
@@ -89,8 +91,8 @@ class Simulator:
             records, rejected, itl, timeline, num_steps, sched.num_preemptions, bm.stats().hit_rate
         )
 
-    def _add(self, index: int, rejected: list[tuple[int, str]]) -> None:
-        req = self.requests[index]
+    def _add(self, position: int, rejected: list[tuple[int, str]]) -> None:
+        req, index = self.requests[position], self._index[position]
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
         seq = Sequence(index, req.token_ids(index, self.seed), params, req.arrival_time)
         try:

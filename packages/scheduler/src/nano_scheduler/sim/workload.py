@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+import re
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -78,9 +79,14 @@ def _seconds(timestamp: str) -> float:
         return float(timestamp)
     except ValueError:
         pass
-    # "2023-11-16 18:15:46.6805900": more than 6 fractional digits is not ISO to Python.
-    date, _, fraction = timestamp.strip().partition(".")
-    base = datetime.fromisoformat(date).timestamp()
+    # "2023-11-16 18:15:46.6805900": more than 6 fractional digits is not ISO to Python; the
+    # 2024 trace adds a UTC offset ("2024-05-10 00:00:00.009930+00:00").
+    text, zone = timestamp.strip(), ""
+    offset = re.search(r"(Z|[+-]\d\d:?\d\d)$", text)
+    if offset:
+        text, zone = text[: offset.start()], offset.group(1).replace("Z", "+00:00")
+    date, _, fraction = text.partition(".")
+    base = datetime.fromisoformat(date + zone).timestamp()
     return base + (float("0." + fraction) if fraction else 0.0)
 
 
