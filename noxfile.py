@@ -30,7 +30,7 @@ nox.options.default_venv_backend = "venv"
 
 def install_packages(session: nox.Session, *, cuda: bool) -> None:
     """Install every package of the monorepo (and torch, constrained to the CPU build)."""
-    args = [] if cuda else ["-Ccmake.define.NANO_KVCACHE_CUDA=OFF"]
+    args = [] if cuda else ["--config-settings=cmake.define.NANO_KVCACHE_CUDA=OFF"]
     # Extras are named apart: pip does not match a local path given with extras against a
     # sibling's plain pin. torch: nano-kvcache[torch]; matplotlib: nano-scheduler[plot].
     targets = [str(ROOT / "packages" / name) for name in PACKAGES]

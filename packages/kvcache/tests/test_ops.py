@@ -94,6 +94,13 @@ def test_compute_slot_mapping_matches_a_loop():
     assert slots.dtype == positions.dtype == torch.int64
     assert slots.tolist() == ref_slots and positions.tolist() == ref_pos
     assert -1 in ref_slots[:-3]  # the test reaches the missing-block path
+    # A table without blocks: every slot -1, positions still computed.
+    empty = tables[:, :0]
+    slots, positions = ops.compute_slot_mapping(empty, qsl, start, block_size, num_tokens)
+    ref_slots, ref_pos = loop_slot_mapping(
+        [[]] * num_seqs, qsl.tolist(), start.tolist(), block_size, num_tokens
+    )
+    assert slots.tolist() == ref_slots == [-1] * num_tokens and positions.tolist() == ref_pos
 
 
 def test_compute_slot_mapping_validates_its_inputs():

@@ -247,12 +247,14 @@ def compute_slot_mapping_torch(
     tokens = torch.arange(first, end, device=device)
     seq = torch.searchsorted(qsl, tokens, right=True) - 1
     pos = start_pos.long()[seq] + tokens - qsl[seq]
+    positions[first:end] = pos
+    if max_blocks == 0:  # no blocks at all: every slot -1
+        return slots, positions
     index = pos // block_size
     valid = (pos >= 0) & (index < max_blocks)
     blocks = block_tables.long()[seq, index.clamp(0, max_blocks - 1)]
     valid &= blocks >= 0
     slots[first:end] = torch.where(valid, blocks * block_size + pos % block_size, -1)
-    positions[first:end] = pos
     return slots, positions
 
 
