@@ -267,6 +267,11 @@ def test_queue_limit_gives_503(checkpoints):
             "ignore_eos": True,
             "stream": True,
         }
+        # the limit counts sequences: one request with n = 3 is over a limit of 2
+        wide = httpx.post(
+            f"{srv.url}/v1/completions", json={**body, "stream": False, "n": 3}, timeout=60
+        )
+        assert wide.status_code == 503 and "2 sequences" in wide.json()["error"]["message"]
         with httpx.Client(timeout=60) as http:
             streams = [
                 http.stream("POST", f"{srv.url}/v1/completions", json=body) for _ in range(2)

@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-queue",
         type=int,
         default=1024,
-        help="requests queued or running beyond which new ones get 503",
+        help="sequences queued or running (n each) beyond which new requests get 503",
     )
     srv.add_argument(
         "--grace-period",

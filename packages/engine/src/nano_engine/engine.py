@@ -319,6 +319,12 @@ class LLMEngine:
         return len(self._requests)
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences of the requests queued or running (finished ones included until their
+        request finishes)."""
+        return sum(len(r.seqs) for r in list(self._requests.values()))
+
+    @property
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
 

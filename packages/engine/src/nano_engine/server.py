@@ -114,8 +114,8 @@ def _replay(chunks: list[bytes], first, receive):
 
 
 class Server:
-    """The routes over one engine. ``max_queue``: requests queued or running beyond which new
-    ones get 503."""
+    """The routes over one engine. ``max_queue``: sequences queued or running (a request with
+    n = 4 counts 4) beyond which new requests get 503."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_queue: int = 1024) -> None:
         self.engine, self.model_name = engine, model_name
@@ -192,10 +192,10 @@ class Server:
 
     def _submit(self, prompts: list, params, prefix: str, stream: bool) -> list[RequestStream]:
         """Validate and queue one engine request per prompt (all or none)."""
-        if self.engine.num_requests + len(prompts) > self.max_queue:
+        if self.engine.num_sequences + len(prompts) * params.n > self.max_queue:
             raise APIError(
                 503,
-                f"the server is at its queue limit ({self.max_queue} requests)",
+                f"the server is at its queue limit ({self.max_queue} sequences)",
                 "service_unavailable",
             )
         try:
