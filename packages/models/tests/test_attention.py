@@ -95,6 +95,26 @@ def test_backend_choice():
         choose_attention_backend("triton", cpu, 16)
     with pytest.raises(ValueError, match="multiple of 256"):
         choose_attention_backend("flash_attn", cuda, 16)
+    with pytest.raises(ValueError, match=r"needs float16 or bfloat16, got torch\.float32"):
+        choose_attention_backend("flash_attn", cuda, 256, torch.float32)
+
+
+def test_a_missing_backend_package_is_named():
+    if _importable("flash_attn"):
+        pytest.skip("flash-attn imports here")
+    with pytest.raises(ValueError, match="needs the flash_attn package, which does not import"):
+        get_attention_backend("flash_attn")
+
+
+def test_auto_takes_flash_attn_only_for_half_precision(monkeypatch):
+    """(flash-attn is absent here: where it imports, auto weighs the dtype as well.)"""
+    from nano_models.layers import attention
+
+    monkeypatch.setattr(attention, "_load_optional", lambda name: True)
+    cuda = torch.device("cuda")
+    assert choose_attention_backend("auto", cuda, 256, torch.bfloat16) == "flash_attn"
+    assert choose_attention_backend("auto", cuda, 256, torch.float32) == "triton"
+    assert choose_attention_backend("auto", cuda, 16, torch.float16) == "triton"
 
 
 def _importable(module: str) -> bool:

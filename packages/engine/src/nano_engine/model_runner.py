@@ -131,7 +131,9 @@ class ModelRunner:
         )
         if device.type == "cuda" and not config.enforce_eager:
             compile_layers(self.model)
-        backend = choose_attention_backend(config.attention_backend, device, self.block_size)
+        backend = choose_attention_backend(
+            config.attention_backend, device, self.block_size, self.dtype
+        )
         self.backend = get_attention_backend(backend)
         log.info(
             "rank %d: attention backend %s (asked: %s)", tp.rank, backend, config.attention_backend

@@ -69,7 +69,7 @@ def _load_optional(name: str) -> bool:
 def get_attention_backend(name: str) -> AttentionBackend:
     if name in _OPTIONAL and not _load_optional(name):
         raise ValueError(
-            f"attention backend {name!r} needs {name.split('_')[0]}, which does not import here"
+            f"attention backend {name!r} needs the {name} package, which does not import here"
         )
     try:
         return ATTENTION_BACKENDS[name]()
@@ -78,12 +78,16 @@ def get_attention_backend(name: str) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; available: {known}") from None
 
 
-def choose_attention_backend(name: str, device: torch.device, block_size: int) -> str:
-    """``auto``: flash-attn if it imports and the block size is a multiple of 256, else Triton
-    on CUDA, else torch. Any other name is checked against the device and block size."""
+def choose_attention_backend(
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """``auto``: flash-attn if it imports, the block size is a multiple of 256 and the dtype is
+    fp16 or bf16 (all it takes), else Triton on CUDA, else torch. Any other name is checked
+    against the device, block size and dtype."""
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         if device.type == "cuda":
-            if block_size % 256 == 0 and _load_optional("flash_attn"):
+            if block_size % 256 == 0 and half and _load_optional("flash_attn"):
                 return "flash_attn"
             if _load_optional("triton"):
                 return "triton"
@@ -94,6 +98,8 @@ def choose_attention_backend(name: str, device: torch.device, block_size: int) -
         raise ValueError(
             f"the flash_attn backend needs a block size multiple of 256, got {block_size}"
         )
+    if name == "flash_attn" and not half:
+        raise ValueError(f"the flash_attn backend needs float16 or bfloat16, got {dtype}")
     return name
 
 
