@@ -141,3 +141,33 @@ def test_serving_compiles_no_kernel_after_start_up(checkpoints, sizing):
         finally:
             triton.knobs.runtime.jit_cache_hook = None
     assert compiled == []
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_matches_transformers_with_cuda_graphs(checkpoints):
+    """NCCL between two GPUs, CUDA graphs on both ranks: transformers' greedy tokens (fp32), and
+    the seeded sampled tokens of one GPU."""
+    path = checkpoints("qwen3")
+    expected = hf_greedy(path, sample_prompts())
+    options = {
+        "device": "cuda",
+        "dtype": "float32",
+        "kvcache_block_size": 16,
+        "max_num_seqs": 16,
+        "gpu_memory_utilization": 0.3,
+        "attention_backend": "triton",
+    }
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(path, **options) as llm:
+        one_gpu = [
+            o.outputs[0].token_ids for o in llm.generate(sample_prompts(), sampled, use_tqdm=False)
+        ]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        assert llm.engine.runner.graphs is not None and llm.engine.workers is not None
+        greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+        outputs = llm.generate(sample_prompts(), greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        two_gpus = [
+            o.outputs[0].token_ids for o in llm.generate(sample_prompts(), sampled, use_tqdm=False)
+        ]
+    assert two_gpus == one_gpu

@@ -575,13 +575,23 @@ class LLMEngine:
             self.runner.close()
 
     def _stop_workers(self) -> None:
-        if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
-            import torch.distributed as dist
+        if self.workers is None:
+            return
+        import torch.distributed as dist
 
+        workers, self.workers = self.workers, None
+        # Every rank destroys its process group at the same time: NCCL's finalize waits for
+        # the peers, so this rank joining the workers first (or they it) hangs. (Seen on two
+        # H200s: the workers blocked in destroy_process_group until terminated, then rank 0.)
+        workers.stop()
+        if dist.is_initialized():
+            dead = workers.dead() is not None
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if dead and abort is not None and dist.get_backend() == "nccl":
+                abort()  # a dead peer would never finalize
             if dist.is_initialized():
                 dist.destroy_process_group()
+        workers.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -136,10 +136,15 @@ class Workers:
         for conn in self.conns:
             conn.send(step)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Ask every worker to leave its loop (it then destroys its process group)."""
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop (if not asked yet) and join every worker, terminating any that hangs."""
+        self.stop()
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():
