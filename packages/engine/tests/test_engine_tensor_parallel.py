@@ -51,3 +51,23 @@ def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints)
     assert not dist.is_initialized()
     with LLM(path, **options) as llm:
         assert llm.generate("again", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_worker_that_cannot_start_is_reported_at_once(checkpoints, tmp_path):
+    """A script without the ``if __name__ == "__main__"`` guard: the spawned worker fails
+    while importing it. The engine says so instead of waiting minutes for it to join."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from nano_engine import LLM\n"
+        f"LLM({str(checkpoints('qwen3'))!r}, device='cpu', tensor_parallel_size=2)\n"
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode != 0
+    assert "tensor-parallel worker 1" in proc.stderr and "did not start" in proc.stderr
+    assert time.monotonic() - start < 120

@@ -13,6 +13,7 @@ import gc
 import logging
 import multiprocessing as mp
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -60,6 +61,7 @@ def _worker_main(
     max_model_len: int,
     conn,
 ) -> None:
+    conn.send("ready")  # imported and unpickled: the engine may join the process group now
     dev = rank_device(torch.device(device), rank)
     tp = init_group(rank, world, port, dev)
     try:
@@ -115,12 +117,36 @@ class Workers:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
+        self._wait_ready()
         log.info(
             "started %d tensor-parallel workers (pids %s, port %d)",
             self.world - 1,
             [p.pid for p in self.procs],
             self.port,
         )
+
+    def _wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait for every worker to start (import, unpickle its arguments). One that exits
+        first is an error naming it: the process group would otherwise wait for it for
+        minutes."""
+        deadline = time.monotonic() + timeout
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while True:
+                if conn.poll(0.05):
+                    with contextlib.suppress(EOFError):  # (EOF: it exited)
+                        conn.recv()
+                        break
+                    proc.join(5)
+                if proc.exitcode is not None or time.monotonic() > deadline:
+                    why = (
+                        f"exit code {proc.exitcode}; its error is above"
+                        if proc.exitcode is not None
+                        else f"nothing within {timeout:.0f} s"
+                    )
+                    self.shutdown(timeout=1.0)
+                    raise RuntimeError(
+                        f"tensor-parallel worker {rank} (pid {proc.pid}) did not start ({why})"
+                    )
 
     def dead(self) -> str | None:
         """A message naming the first worker that exited, or None."""
