@@ -452,6 +452,9 @@ class LLMEngine:
             request, index = self._touch(touched, seq)
             if logprob is not None:
                 request.logprobs[index].append(logprob)
+            detok = request.detokenizers[index]
+            if detok is not None and detok.stop_reason is not None:
+                continue  # its text ended at a stop string (a step in flight sampled this)
             stop_token = (  # the token that stopped seq (eos, stop_token_ids)
                 seq.finish_reason is FinishReason.STOP
                 and position == len(seq.token_ids) - 1
@@ -459,9 +462,8 @@ class LLMEngine:
             )
             if stop_token and token in seq.params.stop_token_ids:
                 request.stop_reasons[index] = token
-            detok = request.detokenizers[index]
-            if detok is None or detok.stop_reason is not None:
-                continue  # (no text, or its text ended at a stop string)
+            if detok is None:
+                continue
             if stop_token and not seq.params.include_stop_str_in_output:
                 continue  # its text is left out, as in vLLM
             # Stop strings count once min_tokens are out, as for stop tokens (vLLM too).
