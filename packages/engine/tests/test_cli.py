@@ -84,7 +84,7 @@ def test_bad_arguments_are_reported():
     proc = run("bench", str(TINY), "--load-format", "dummy", "--repeat", "0")
     assert proc.returncode == 2 and "--repeat: must be >= 1, got 0" in proc.stderr
     proc = run("serve", str(TINY), "--port", "99999")
-    assert proc.returncode == 2 and "a port is 0-65535, got 99999" in proc.stderr
+    assert proc.returncode == 2 and "a port is 1-65535, got 99999" in proc.stderr
 
 
 def test_bench_on_a_model_with_a_small_vocabulary(checkpoints):

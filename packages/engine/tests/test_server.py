@@ -204,6 +204,7 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         (post(server, "/v1/completions", {**good, "temperature": -1}), 400, "temperature"),
         (post(server, "/v1/completions", {**good, "model": "other"}), 404, "does not exist"),
         (post(server, "/v1/nothing", good), 404, "Not Found"),
+        (post(server, "/health", good), 405, "Method Not Allowed"),
         (post(server, "/v1/completions", {**good, "seed": 2**64}), 400, "seed"),
         (post(server, "/v1/completions", {**good, "n": 129}), 400, r"\(n\)"),
         (post(server, "/v1/completions", {**good, "logit_bias": {"5": 9}}), 400, "logit_bias"),
@@ -245,6 +246,7 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         assert re.search(message, error["message"]), error["message"]
         ok = post(server, "/v1/completions", good)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
+    assert post(server, "/health", good).headers["allow"] == "GET"
     # the largest seed, and the n - 1 seeds after it (wrapped to 64 bits)
     ok = post(server, "/v1/completions", {**good, "seed": 2**64 - 1, "n": 2, "temperature": 1})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

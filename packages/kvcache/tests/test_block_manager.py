@@ -218,7 +218,7 @@ def test_may_append_commits_every_block_that_several_new_tokens_fill():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Seq(range(3))
     prefill(bm, a)
-    a.token_ids += [3, 4, 5, 6, 7, 8]  # fills blocks 0 and 1, ends inside block 2
+    a.token_ids += [3, 4, 5, 6, 7]  # fills blocks 0 and 1, ending a block
     bm.may_append(a)
     b = Seq([*range(8), 99])
     bm.allocate(b)
@@ -285,9 +285,9 @@ def test_deallocating_an_unknown_sequence_is_an_error():
     with pytest.raises(UnknownSequenceError):
         bm.deallocate(foreign)
     assert bm.num_free_blocks == 4
-    # Nor committed or appended to: that would key blocks it does not own.
-    foreign = Seq([1, 2, 3, 4, 5])
-    foreign.block_table = [0, 1, 2]
+    # Nor committed or appended to (a full block): that would key blocks it does not own.
+    foreign = Seq([1, 2, 3, 4])
+    foreign.block_table = [0, 1]
     for call in (lambda: bm.commit(foreign, 4), lambda: bm.may_append(foreign)):
         with pytest.raises(UnknownSequenceError):
             call()

@@ -28,8 +28,8 @@ def _positive(text: str) -> int:
 
 def _port(text: str) -> int:
     port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
 
 
@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     srv.add_argument("model", help="checkpoint directory")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    srv.add_argument("--port", type=_port, default=8000, help="0-65535 (0: any free port)")
+    srv.add_argument("--port", type=_port, default=8000, help="1-65535")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", help="the model's name in requests (default: MODEL)")
     srv.add_argument(

@@ -53,10 +53,14 @@ class APIError(Exception):
 
 
 def error_response(
-    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict | None = None,
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class Gate:
@@ -137,7 +141,7 @@ class Server:
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_: Request, e: StarletteHTTPException):  # 404, 405: no such route
             kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-            return error_response(e.status_code, str(e.detail), kind)
+            return error_response(e.status_code, str(e.detail), kind, headers=e.headers)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, e: RequestValidationError):

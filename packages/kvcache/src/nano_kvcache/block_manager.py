@@ -267,25 +267,26 @@ class BlockManager:
         return num_tokens - table_tokens <= self.num_free_blocks * self.block_size
 
     def may_append(self, seq: KVSequence) -> None:
-        """Called after tokens were appended to seq: add blocks up to its length and commit the
-        blocks that these tokens fill."""
-        if id(seq) not in self._owners:
-            raise UnknownSequenceError("may_append on a sequence that was never allocated")
+        """Called after tokens were appended to seq: add blocks up to its length and, when the
+        length ends a block, commit the blocks these tokens filled (after several tokens that
+        end inside a block, ``commit`` declares the full ones)."""
         num_tokens = len(seq.token_ids)
         table = seq.block_table
         bs = self.block_size
         if len(table) * bs < num_tokens:
             self._grow(seq, num_tokens)
-        index = num_tokens // bs - 1  # the last full block
-        if self.enable_prefix_caching and index >= 0 and self.blocks[table[index]].hash == _NO_HASH:
-            if num_tokens % bs == 0 and (
-                index == 0 or self.blocks[table[index - 1]].hash != _NO_HASH
-            ):
+        if num_tokens % bs == 0 and self.enable_prefix_caching:  # (per decode: cheap tests first)
+            if id(seq) not in self._owners:
+                raise UnknownSequenceError("may_append on a sequence that was never allocated")
+            index = num_tokens // bs - 1
+            if index == 0 or self.blocks[table[index - 1]].hash != _NO_HASH:
                 self._register(seq, index)  # the usual decode case: one block just filled
             else:
                 self.commit(seq, num_tokens)
 
     def _grow(self, seq: KVSequence, num_tokens: int) -> None:
+        if id(seq) not in self._owners:
+            raise UnknownSequenceError("may_append on a sequence that was never allocated")
         missing = -(-num_tokens // self.block_size) - len(seq.block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocksError(
