@@ -226,8 +226,9 @@ class LLMEngine:
         seqs, detoks = [], []
         for i in range(params.n):
             seq_params = params
-            if params.seed is not None and i:  # (within 64 bits)
-                seed = params.seed + i if params.seed + i < 2**64 else params.seed + i - 2**64
+            if params.seed is not None and i:
+                seed = params.seed + i
+                seed -= 2**64 if seed >= 2**64 else 0  # (within 64 bits)
                 seq_params = SamplingParams(**{**params.__dict__, "seed": seed})
             seqs.append(Sequence(next(self._seq_ids), ids, seq_params, now))
             detoks.append(

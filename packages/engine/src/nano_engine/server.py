@@ -98,18 +98,19 @@ class Gate:
         while message.get("more_body"):
             message = await receive()
             if message["type"] != "http.request":  # the client left: let the app see it
-                return await self.app(scope, _replay([], message, receive), send)
+                return await self.app(scope, _replay(message, receive), send)
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > self.max_bytes:
                 return await too_big(scope, receive, send)
-        await self.app(scope, _replay(chunks, None, receive), send)
+        body = {"type": "http.request", "body": b"".join(chunks)}
+        await self.app(scope, _replay(body, receive), send)
 
 
-def _replay(chunks: list[bytes], first, receive):
-    """An ASGI receive that gives ``first`` (a message already taken), or the body read into
-    ``chunks`` as one message, then hands over to ``receive`` (disconnects)."""
-    pending = [first if first is not None else {"type": "http.request", "body": b"".join(chunks)}]
+def _replay(first: dict, receive):
+    """An ASGI receive that gives ``first`` (a message already read), then hands over to
+    ``receive`` (disconnects)."""
+    pending = [first]
 
     async def replayed():
         return pending.pop() if pending else await receive()

@@ -9,6 +9,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
@@ -52,22 +62,8 @@ class SamplingParams:
     def _errors(self):
         if not _is_int(self.n) or self.n < 1:
             yield f"n must be an integer >= 1, got {self.n!r}"
-        numbers = {
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        }
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
+        numbers = set(_NUMBERS)  # those that are numbers: the range checks below need them
+        for name in _NUMBERS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 yield f"{name} must be a number, got {value!r}"

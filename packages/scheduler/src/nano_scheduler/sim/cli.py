@@ -112,15 +112,10 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     problems = []
     if args.fitted:
-        on = [("--bandwidth", args.bandwidth is not None), ("--tflops", args.tflops is not None)]
-        on.append(("--step-overhead-ms", args.step_overhead_ms != 0))
-        problems += [f"{flag} would be ignored with --fitted" for flag, given in on if given]
-    source = "--trace" if args.trace else "--nano-vllm-bench" if args.nano_vllm_bench else None
-    uses = {"--trace": {"--limit"}, "--nano-vllm-bench": set()}.get(source)
-    if uses is None:  # synthetic: everything but --limit
-        source, uses = "--synthetic", {"--rate", "--input-len", "--output-len"}
-        uses |= {"--num-prefixes", "--prefix-len"}
-    given = {
+        fitted = {"--bandwidth": args.bandwidth is not None, "--tflops": args.tflops is not None}
+        fitted["--step-overhead-ms"] = args.step_overhead_ms != 0
+        problems += [f"{flag} would be ignored with --fitted" for flag, on in fitted.items() if on]
+    given = {  # the workload options, and whether each was set
         "--limit": args.limit is not None,
         "--rate": args.rate is not None,
         "--input-len": tuple(args.input_len) != (100, 1024),
@@ -128,10 +123,12 @@ def _check(args: argparse.Namespace) -> None:
         "--num-prefixes": args.num_prefixes != 0,
         "--prefix-len": args.prefix_len != 0,
     }
+    source = "--trace" if args.trace else "--nano-vllm-bench" if args.nano_vllm_bench else None
+    uses = {"--trace": {"--limit"}, "--nano-vllm-bench": set(), None: set(given) - {"--limit"}}
     problems += [
-        f"{flag} would be ignored with {source}"
+        f"{flag} would be ignored with {source or '--synthetic'}"
         for flag, on in given.items()
-        if on and flag not in uses
+        if on and flag not in uses[source]
     ]
     if problems:
         raise ValueError("; ".join(problems))
