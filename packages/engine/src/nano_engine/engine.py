@@ -572,10 +572,10 @@ class LLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
-        self._stop_workers()
         _unfreeze_gc(self)
         if not self._thread.is_alive():
-            self.runner.close()
+            self.runner.close()  # before the process group: NCCL's destroy waits for its graphs
+        self._stop_workers()
 
     def _stop_workers(self) -> None:
         if self.workers is None:

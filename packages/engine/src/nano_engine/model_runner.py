@@ -268,7 +268,11 @@ class ModelRunner:
                 self.execute(StepInput([0] * n, [n], [length], [table], 1, [n - 1]))
 
     def close(self) -> None:
-        """Free the device memory: graphs, KV cache, weights."""
+        """Free the device memory: graphs, KV cache, weights. The graphs go first and at once
+        (not when the collector finds them): NCCL's destroy waits for every graph that captured
+        one of its collectives."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
         self.kv_cache = None
         self.model = None
@@ -409,6 +413,11 @@ class DecodeGraphs:
 
     def fits(self, step: StepInput) -> bool:
         return len(step.query_lens) <= self.sizes[-1]
+
+    def release(self) -> None:
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def run(
         self, step: StepInput, previous: torch.Tensor | None = None

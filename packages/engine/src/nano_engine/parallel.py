@@ -64,6 +64,7 @@ def _worker_main(
     conn.send("ready")  # imported and unpickled: the engine may join the process group now
     dev = rank_device(torch.device(device), rank)
     tp = init_group(rank, world, port, dev)
+    runner = None
     try:
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
         gc.collect()
@@ -76,6 +77,8 @@ def _worker_main(
     except EOFError:
         pass  # the engine is gone
     finally:
+        if runner is not None:
+            runner.close()  # its CUDA graphs first: NCCL's destroy waits for them
         dist.destroy_process_group()
 
 
