@@ -39,6 +39,31 @@ def test_tp2_gives_the_tokens_of_tp1_and_a_dead_worker_is_reported(checkpoints):
             llm.generate("more", GREEDY, use_tqdm=False)
 
 
+def test_tp2_async_scheduling_broadcasts_the_sampled_tokens(checkpoints):
+    """With async scheduling each step's inputs include tokens still being sampled; the worker
+    gets them from rank 0's broadcast. Seeded sampling, prompts in chunks: the tokens of one
+    process, with async scheduling on and off."""
+    path = checkpoints("qwen3")
+    params = [
+        SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=3, max_tokens=14, n=2, ignore_eos=True),
+    ]
+    prompts = sample_prompts()[:3]
+    options = {"kvcache_block_size": 4, "device": "cpu", "max_num_batched_tokens": 16}
+
+    def tokens(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outputs]
+
+    with LLM(path, **options) as llm:
+        expected = tokens(llm)
+    for async_scheduling in (True, False):
+        with LLM(path, tensor_parallel_size=2, async_scheduling=async_scheduling, **options) as llm:
+            assert llm.engine.async_scheduling is async_scheduling
+            assert tokens(llm) == expected
+
+
 def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints):
     """An error past the model load (here the scheduler's policy) stops the workers and the
     process group: the next engine of this process starts."""

@@ -261,8 +261,6 @@ def test_bad_engine_configuration(checkpoints, tmp_path):
         LLM(path, max_num_seqs=0)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         LLM(path, max_model_len=10**6)
-    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
-        LLM(path, async_scheduling=True, tensor_parallel_size=2)
 
 
 def test_async_and_sync_scheduling_give_the_same_outputs(checkpoints):

@@ -20,8 +20,8 @@ class EngineConfig:
     default and cap the model's max_position_embeddings. KV cache: on CUDA, sized from
     gpu_memory_utilization after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb
     (default 1); num_kvcache_blocks overrides both. async_scheduling: schedule and launch each
-    step while the previous one runs (its sampled tokens feed the next step on the device);
-    default on, except with tensor parallelism, which does not support it.
+    step while the previous one runs (its sampled tokens feed the next step on the device;
+    with tensor parallelism rank 0 broadcasts them to the workers); default on.
     """
 
     model: str
@@ -86,8 +86,6 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 yield f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            yield "async_scheduling needs tensor_parallel_size 1"
         if not isinstance(self.seed, int):
             yield f"seed must be an integer, got {self.seed!r}"
         if (
@@ -107,9 +105,7 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        if self.async_scheduling is None:
-            return self.tensor_parallel_size == 1
-        return self.async_scheduling
+        return self.async_scheduling is not False
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -2,9 +2,10 @@
 
 The loop owns the scheduler, the model runner and the sampler: each step it schedules, runs the
 model, samples, updates the scheduler, detokenizes and pushes incremental outputs to each
-request's stream. With async scheduling (the default without tensor parallelism) it schedules
-and launches step N+1 before reading step N's tokens, so the host's work overlaps the device's:
-step N's sequences carry a placeholder token that step N+1 takes from the device.
+request's stream. With async scheduling (the default) it schedules and launches step N+1
+before reading step N's tokens, so the host's work overlaps the device's: step N's sequences
+carry a placeholder token that step N+1 takes from the device (tensor-parallel workers from
+rank 0's broadcast).
 
 Requests are validated and tokenized on the caller's thread, so bad input is an exception there
 and never reaches the loop.
@@ -412,6 +413,8 @@ class LLMEngine:
             seqs = out.sampling_seqs
             shape = _shape(out) if self.step_log is not None else None
             sampled = self.sampler.sample(logits, self.sampler.prepare(seqs))
+            if self.workers is not None and self.async_scheduling:
+                self.runner.share_sampled(step, sampled.tokens)
             current = _InFlight(
                 sampled,
                 self.scheduler.advance(out),

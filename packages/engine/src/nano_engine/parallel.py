@@ -69,11 +69,14 @@ def _worker_main(
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
         gc.collect()
         gc.freeze()  # as the engine does (_freeze_gc); this process ends with the runner
+        sampled = None  # rank 0's tokens of the previous step (async scheduling)
         while True:
             message = conn.recv()
             if message is None:
                 break
-            runner.execute(message)
+            runner.execute(message, sampled)
+            if config.use_async_scheduling:
+                sampled = runner.share_sampled(message)
     except EOFError:
         pass  # the engine is gone
     finally:
