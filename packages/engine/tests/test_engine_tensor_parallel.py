@@ -64,6 +64,30 @@ def test_tp2_async_scheduling_broadcasts_the_sampled_tokens(checkpoints):
             assert tokens(llm) == expected
 
 
+def test_tp2_async_a_failure_on_rank0_after_a_launch_leaves_no_worker_waiting(checkpoints):
+    """The sampler fails on rank 0 with a step in flight whose tokens the next step needs: the
+    engine reports it, and the worker, waiting for its next step (not in a broadcast), stops
+    cleanly at shutdown."""
+    path = checkpoints("qwen3")
+    with LLM(path, kvcache_block_size=4, device="cpu", tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        sample, calls = engine.sampler.sample, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 5:
+                raise RuntimeError("injected sampler failure")
+            return sample(*args)
+
+        engine.sampler.sample = failing
+        with pytest.raises(EngineDeadError, match="injected sampler failure"):
+            llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+        workers = engine.workers.procs
+        start = time.monotonic()
+    assert time.monotonic() - start < 5
+    assert [p.exitcode for p in workers] == [0]
+
+
 def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints):
     """An error past the model load (here the scheduler's policy) stops the workers and the
     process group: the next engine of this process starts."""

@@ -105,7 +105,7 @@ class EngineConfig:
 
     @property
     def use_async_scheduling(self) -> bool:
-        return self.async_scheduling is not False
+        return self.async_scheduling is None or bool(self.async_scheduling)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -145,7 +145,11 @@ class LLMEngine:
                 self.block_manager,
             )
         except BaseException:  # (workers and the process group would outlive the engine)
-            self._stop_workers()
+            try:
+                if hasattr(self, "runner"):
+                    self.runner.close()  # its graphs before the process group
+            finally:
+                self._stop_workers()
             raise
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
@@ -401,9 +405,10 @@ class LLMEngine:
         waited = 0.0
         if not out.is_empty:
             step = StepInput.of(out, previous.rows if previous else None)
+            tokens = previous.sampled.tokens if previous else None
             if self.workers is not None:
-                self.workers.send(step)
-            logits = self.runner.execute(step, previous.sampled.tokens if previous else None)
+                self.workers.send(step, tokens)
+            logits = self.runner.execute(step, tokens)
             launched = time.perf_counter()
         if previous is not None:
             waited += self._resolve(previous, out if not out.is_empty else None, touched)
@@ -413,8 +418,6 @@ class LLMEngine:
             seqs = out.sampling_seqs
             shape = _shape(out) if self.step_log is not None else None
             sampled = self.sampler.sample(logits, self.sampler.prepare(seqs))
-            if self.workers is not None and self.async_scheduling:
-                self.runner.share_sampled(step, sampled.tokens)
             current = _InFlight(
                 sampled,
                 self.scheduler.advance(out),
@@ -576,9 +579,11 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         _unfreeze_gc(self)
-        if not self._thread.is_alive():
-            self.runner.close()  # before the process group: NCCL's destroy waits for its graphs
-        self._stop_workers()
+        try:
+            if not self._thread.is_alive():
+                self.runner.close()  # before the process group: NCCL's destroy waits for graphs
+        finally:
+            self._stop_workers()
 
     def _stop_workers(self) -> None:
         if self.workers is None:

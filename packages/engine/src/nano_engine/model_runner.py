@@ -347,16 +347,6 @@ class ModelRunner:
             hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden, ctx)
 
-    def share_sampled(self, step: StepInput, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Rank 0's sampled tokens of ``step`` [S] int64 (given on rank 0), broadcast to every
-        rank in stream order, no host wait: with async scheduling they are the next step's
-        pending inputs, which every rank must embed."""
-        if tokens is None:
-            tokens = torch.empty(len(step.logits_rows), dtype=torch.int64, device=self.device)
-        if self.tp.size > 1 and step.logits_rows:
-            torch.distributed.broadcast(tokens, src=0, group=self.tp.group)
-        return tokens
-
 
 class DecodeGraphs:
     """CUDA graphs of decode-only steps for batch sizes 1, 2, 4, 8, 16, 32, ... up to

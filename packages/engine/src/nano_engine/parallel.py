@@ -1,7 +1,8 @@
 """Tensor-parallel workers: ranks 1..N-1 in their own processes, rank 0 in the engine.
 
 Tensors move through torch.distributed (NCCL on GPU, gloo on CPU) on a free port chosen per
-engine; each step's ``StepInput`` goes to every worker over its own pipe. A worker that dies is
+engine; each step's ``StepInput`` goes to every worker over its own pipe (with async scheduling,
+the previous step's sampled tokens follow by broadcast). A worker that dies is
 seen within a fraction of a second by ``dead()`` (the engine polls it) and reported with its
 exit code; ``shutdown`` stops and joins every process.
 """
@@ -69,20 +70,25 @@ def _worker_main(
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
         gc.collect()
         gc.freeze()  # as the engine does (_freeze_gc); this process ends with the runner
-        sampled = None  # rank 0's tokens of the previous step (async scheduling)
+        sampled_rows = 0  # of the previous step
         while True:
-            message = conn.recv()
-            if message is None:
+            step = conn.recv()
+            if step is None:
                 break
-            runner.execute(message, sampled)
-            if config.use_async_scheduling:
-                sampled = runner.share_sampled(message)
+            previous = None
+            if step.pending_rows:  # async scheduling: rank 0's tokens of the previous step
+                previous = torch.empty(sampled_rows, dtype=torch.int64, device=dev)
+                dist.broadcast(previous, src=0)
+            runner.execute(step, previous)
+            sampled_rows = len(step.logits_rows)
     except EOFError:
         pass  # the engine is gone
     finally:
-        if runner is not None:
-            runner.close()  # its CUDA graphs first: NCCL's destroy waits for them
-        dist.destroy_process_group()
+        try:
+            if runner is not None:
+                runner.close()  # its CUDA graphs first: NCCL's destroy waits for them
+        finally:
+            dist.destroy_process_group()
 
 
 class Workers:
@@ -164,9 +170,15 @@ class Workers:
                 )
         return None
 
-    def send(self, step: StepInput) -> None:
+    def send(self, step: StepInput, previous: torch.Tensor | None = None) -> None:
+        """Give every worker a step, and where it has inputs still being sampled (async
+        scheduling), the previous step's sampled tokens ``previous``: broadcast in stream
+        order, no host wait. (Only now, not when they were sampled: a failure on this rank in
+        between leaves no worker waiting in a collective.)"""
         for conn in self.conns:
             conn.send(step)
+        if step.pending_rows:
+            dist.broadcast(previous, src=0)
 
     def stop(self) -> None:
         """Ask every worker to leave its loop (it then destroys its process group)."""
