@@ -39,9 +39,11 @@ def test_tp2_gives_the_tokens_of_tp1_and_a_dead_worker_is_reported(checkpoints):
             llm.generate("more", GREEDY, use_tqdm=False)
 
 
-def test_tp2_async_scheduling_broadcasts_the_sampled_tokens(checkpoints):
+@pytest.mark.parametrize("pool", ["large", "preempting"])
+def test_tp2_async_scheduling_broadcasts_the_sampled_tokens(checkpoints, pool):
     """With async scheduling each step's inputs include tokens still being sampled; the worker
-    gets them from rank 0's broadcast. Seeded sampling, prompts in chunks: the tokens of one
+    gets them from rank 0's broadcast. Seeded sampling, prompts in chunks, and a pool so small
+    that sequences are preempted (a re-prefill then ends in a pending token): the tokens of one
     process, with async scheduling on and off."""
     path = checkpoints("qwen3")
     params = [
@@ -51,9 +53,17 @@ def test_tp2_async_scheduling_broadcasts_the_sampled_tokens(checkpoints):
     ]
     prompts = sample_prompts()[:3]
     options = {"kvcache_block_size": 4, "device": "cpu", "max_num_batched_tokens": 16}
+    if pool == "preempting":  # (here about 9 preemptions, one re-prefill ending pending)
+        options |= {"num_kvcache_blocks": 16, "max_model_len": 64}
+        prompts = sample_prompts()
+        params = [
+            SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True)
+            for i in range(8)
+        ]
 
     def tokens(llm):
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert (llm.engine.scheduler.num_preemptions > 0) == (pool == "preempting")
         return [[c.token_ids for c in o.outputs] for o in outputs]
 
     with LLM(path, **options) as llm:
