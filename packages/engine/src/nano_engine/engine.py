@@ -145,11 +145,7 @@ class LLMEngine:
                 self.block_manager,
             )
         except BaseException:  # (workers and the process group would outlive the engine)
-            try:
-                if hasattr(self, "runner"):
-                    self.runner.close()  # its graphs before the process group
-            finally:
-                self._stop_workers()
+            self._release(close_runner=hasattr(self, "runner"))
             raise
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
@@ -579,9 +575,15 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         _unfreeze_gc(self)
+        self._release(close_runner=not self._thread.is_alive())
+
+    def _release(self, close_runner: bool) -> None:
+        """Free the runner's device memory, then stop the workers and the process group, even
+        if the first fails. In this order: NCCL's destroy waits for every CUDA graph that
+        captured one of its collectives."""
         try:
-            if not self._thread.is_alive():
-                self.runner.close()  # before the process group: NCCL's destroy waits for graphs
+            if close_runner:
+                self.runner.close()
         finally:
             self._stop_workers()
 
