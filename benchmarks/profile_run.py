@@ -6,6 +6,7 @@ idle time, kernel time by kind, and the decode attention kernels' effective band
 read / kernel time) by batch size, from each step's 28 (num_layers) decode launches.
 
     python benchmarks/profile_run.py benchmarks/configs/qwen3-0.6b.json [--max-model-len 2048]
+        [--tensor-parallel-size 2]   (rank 0's GPU; NCCL's kernels are the all-reduce kind)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nano_engine import LLM, SamplingParams
 from nano_engine.cli import bench_workload
 
 KINDS = [  # (kind, name fragments), first match wins
+    ("all-reduce (NCCL)", ("nccl",)),
     ("sampler", ("_gumbel", "softmax", "argmax", "exponential", "sort")),
     ("attention decode", ("_decode_kernel", "_merge_kernel")),
     ("attention prefill", ("_prefill_kernel",)),
@@ -40,11 +42,18 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by total time")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="(the profile is rank 0's GPU)"
+    )
     args = parser.parse_args()
     rng, prompts, max_tokens = bench_workload(0, args.num_seqs, (100, 1024), (100, 1024))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm = LLM(
-        args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len
+        args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.engine
     warm = [[rng.randint(0, 10_000) for _ in range(rng.randint(1, 300))] for _ in range(64)]

@@ -98,6 +98,38 @@ def test_tp2_async_a_failure_on_rank0_after_a_launch_leaves_no_worker_waiting(ch
     assert [p.exitcode for p in workers] == [0]
 
 
+def test_tp2_a_failure_on_rank0_mid_step_stops_the_worker_left_in_a_collective(checkpoints):
+    """Rank 0 fails after sending a step, before its own forward: the worker waits in the
+    forward's first all-reduce for a rank that will never come. The engine reports the error,
+    shuts down within seconds (the worker is stopped, not waited for), and leaves no process
+    group behind: the next engine of this process starts."""
+    import torch.distributed as dist
+
+    path = checkpoints("qwen3")
+    options = {"kvcache_block_size": 4, "device": "cpu", "tensor_parallel_size": 2}
+    llm = LLM(path, **options)
+    engine = llm.engine
+    execute, calls = engine.runner.execute, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected forward failure")
+        return execute(*args)
+
+    engine.runner.execute = failing
+    workers = engine.workers.procs
+    with pytest.raises(EngineDeadError, match="injected forward failure"):
+        llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 5
+    assert all(p.exitcode is not None for p in workers)
+    assert not dist.is_initialized()
+    with LLM(path, **options) as llm:
+        assert llm.generate("again", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints):
     """An error past the model load (here the scheduler's policy) stops the workers and the
     process group: the next engine of this process starts."""

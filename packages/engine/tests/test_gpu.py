@@ -182,3 +182,63 @@ def test_tp2_on_two_gpus_matches_transformers_with_cuda_graphs(checkpoints):
             closer.join(60)
         assert not closer.is_alive(), "the engine did not shut down within 60 s"
         assert [p.exitcode for p in workers] == [0]  # (not terminated)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("failure", ["worker killed", "rank 0 fails mid-step"])
+def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoints, failure):
+    """With CUDA graphs (whose decode steps hold NCCL all-reduces), either rank failing in the
+    middle of a step leaves the other in an all-reduce that never completes: the engine must
+    report it within seconds and shut down, leaving no process group (the next engine starts)."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from nano_engine import EngineDeadError
+
+    path = checkpoints("qwen3")
+    options = {
+        "device": "cuda",
+        "kvcache_block_size": 16,
+        "max_num_seqs": 16,
+        "gpu_memory_utilization": 0.3,
+        "tensor_parallel_size": 2,
+    }
+    llm = LLM(path, **options)
+    engine, workers = llm.engine, llm.engine.workers.procs
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        assert engine.runner.graphs is not None
+        if failure == "worker killed":
+            stream = engine.add_request(sample_prompts()[0], params)
+            assert stream.get(timeout=60) is not None
+            os.kill(workers[0].pid, signal.SIGKILL)
+        else:
+            execute, calls = engine.runner.execute, []
+
+            def failing(*args):
+                calls.append(1)
+                if len(calls) == 20:  # a decode step, in a graph
+                    raise RuntimeError("injected forward failure")
+                return execute(*args)
+
+            engine.runner.execute = failing
+            stream = engine.add_request(sample_prompts()[0], params)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 30
+    finally:
+        closer = threading.Thread(target=llm.shutdown, daemon=True)
+        start = time.monotonic()
+        closer.start()
+        closer.join(60)
+    assert not closer.is_alive(), "the engine did not shut down within 60 s"
+    print(f"{failure}: shut down in {time.monotonic() - start:.1f} s")
+    assert all(p.exitcode is not None for p in workers)
+    assert not dist.is_initialized()
+    with LLM(path, **options) as llm:
+        assert llm.generate("again", params, use_tqdm=False)[0].outputs[0].token_ids

@@ -122,6 +122,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config, mc, self.tokenizer)
         device = resolve_device(config.device)
         self.workers = None
+        self._apart = False  # a worker may be in a collective that this rank will not join
         tp = TensorParallel()
         if config.tensor_parallel_size > 1:
             self.workers = Workers(config, mc, device, self.max_model_len)
@@ -403,8 +404,12 @@ class LLMEngine:
             step = StepInput.of(out, previous.rows if previous else None)
             tokens = previous.sampled.tokens if previous else None
             if self.workers is not None:
+                # Until this rank has launched the step, a worker may wait in a collective
+                # that this rank will never join (should it fail in between).
+                self._apart = True
                 self.workers.send(step, tokens)
             logits = self.runner.execute(step, tokens)
+            self._apart = False
             launched = time.perf_counter()
         if previous is not None:
             waited += self._resolve(previous, out if not out.is_empty else None, touched)
@@ -596,15 +601,17 @@ class LLMEngine:
         # Every rank destroys its process group at the same time: NCCL's finalize waits for
         # the peers, so this rank joining the workers first (or they it) hangs. (Seen on two
         # H200s: the workers blocked in destroy_process_group until terminated, then rank 0.)
+        # A dead worker, or one left in a collective by this rank's failure mid-step (it
+        # will never return from it: it is terminated), would never finalize: abort instead.
+        broken = self._apart or workers.dead() is not None
         workers.stop()
         if dist.is_initialized():
-            dead = workers.dead() is not None
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if dead and abort is not None and dist.get_backend() == "nccl":
-                abort()  # a dead peer would never finalize
+            if broken and abort is not None and dist.get_backend() == "nccl":
+                abort()
             if dist.is_initialized():
                 dist.destroy_process_group()
-        workers.shutdown()
+        workers.shutdown(timeout=2.0 if broken else 10.0)
 
     def __enter__(self) -> LLMEngine:
         return self
