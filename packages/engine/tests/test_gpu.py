@@ -190,6 +190,7 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
     """With CUDA graphs (whose decode steps hold NCCL all-reduces), either rank failing in the
     middle of a step leaves the other in an all-reduce that never completes: the engine must
     report it within seconds and shut down, leaving no process group (the next engine starts)."""
+    import faulthandler
     import os
     import signal
     import time
@@ -236,6 +237,8 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
         start = time.monotonic()
         closer.start()
         closer.join(60)
+    if closer.is_alive():  # where it waits
+        faulthandler.dump_traceback(all_threads=True)
     assert not closer.is_alive(), "the engine did not shut down within 60 s"
     print(f"{failure}: shut down in {time.monotonic() - start:.1f} s")
     assert all(p.exitcode is not None for p in workers)

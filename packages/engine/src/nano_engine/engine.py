@@ -585,14 +585,27 @@ class LLMEngine:
     def _release(self, close_runner: bool) -> None:
         """Free the runner's device memory, then stop the workers and the process group, even
         if the first fails. In this order: NCCL's destroy waits for every CUDA graph that
-        captured one of its collectives."""
+        captured one of its collectives. But a dead worker, or one that this rank's failure
+        mid-step left in a collective (it never returns from it), would never finalize, and
+        this rank may have a collective that never ends, which freeing memory waits for. Then
+        the graphs go first, the process group is aborted (NCCL's kernels exit; its abort
+        too waits for the graphs, seen on two H200s), and the workers are terminated."""
+        import torch.distributed as dist
+
+        broken = self.workers is not None and (self._apart or self.workers.dead() is not None)
+        if broken and dist.is_initialized() and dist.get_backend() == "nccl":
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                if hasattr(self, "runner"):  # (a loop thread still alive waits on the device)
+                    self.runner.release_graphs()
+                abort()
         try:
             if close_runner:
                 self.runner.close()
         finally:
-            self._stop_workers()
+            self._stop_workers(broken)
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, broken: bool) -> None:
         if self.workers is None:
             return
         import torch.distributed as dist
@@ -601,16 +614,9 @@ class LLMEngine:
         # Every rank destroys its process group at the same time: NCCL's finalize waits for
         # the peers, so this rank joining the workers first (or they it) hangs. (Seen on two
         # H200s: the workers blocked in destroy_process_group until terminated, then rank 0.)
-        # A dead worker, or one left in a collective by this rank's failure mid-step (it
-        # will never return from it: it is terminated), would never finalize: abort instead.
-        broken = self._apart or workers.dead() is not None
         workers.stop()
         if dist.is_initialized():
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if broken and abort is not None and dist.get_backend() == "nccl":
-                abort()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            dist.destroy_process_group()
         workers.shutdown(timeout=2.0 if broken else 10.0)
 
     def __enter__(self) -> LLMEngine:

@@ -271,14 +271,18 @@ class ModelRunner:
         """Free the device memory: graphs, KV cache, weights. The graphs go first and at once
         (not when the collector finds them): NCCL's destroy waits for every graph that captured
         one of its collectives."""
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        self.release_graphs()
         self.kv_cache = None
         self.model = None
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs now (steps run eagerly from then on)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
 
     # ---- a step ------------------------------------------------------------------------------
 
