@@ -92,6 +92,7 @@ def test_tp2_async_a_failure_on_rank0_after_a_launch_leaves_no_worker_waiting(ch
         engine.sampler.sample = failing
         with pytest.raises(EngineDeadError, match="injected sampler failure"):
             llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+        assert not engine._apart  # (the step was launched: the worker is not left behind)
         workers = engine.workers.procs
         start = time.monotonic()
     assert time.monotonic() - start < 5
@@ -101,8 +102,10 @@ def test_tp2_async_a_failure_on_rank0_after_a_launch_leaves_no_worker_waiting(ch
 def test_tp2_a_failure_on_rank0_mid_step_stops_the_worker_left_in_a_collective(checkpoints):
     """Rank 0 fails after sending a step, before its own forward: the worker waits in the
     forward's first all-reduce for a rank that will never come. The engine reports the error,
-    shuts down within seconds (the worker is stopped, not waited for), and leaves no process
-    group behind: the next engine of this process starts."""
+    knows that the ranks are apart (with NCCL it then aborts the group and terminates the
+    worker: the GPU test; here gloo's all-reduce fails once rank 0 destroys its group), shuts
+    down within seconds, and leaves no process group behind: the next engine of this process
+    starts."""
     import torch.distributed as dist
 
     path = checkpoints("qwen3")
@@ -121,6 +124,7 @@ def test_tp2_a_failure_on_rank0_mid_step_stops_the_worker_left_in_a_collective(c
     workers = engine.workers.procs
     with pytest.raises(EngineDeadError, match="injected forward failure"):
         llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+    assert engine._apart
     start = time.monotonic()
     llm.shutdown()
     assert time.monotonic() - start < 5
@@ -128,6 +132,24 @@ def test_tp2_a_failure_on_rank0_mid_step_stops_the_worker_left_in_a_collective(c
     assert not dist.is_initialized()
     with LLM(path, **options) as llm:
         assert llm.generate("again", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_tp2_a_worker_that_fails_exits_and_is_reported(checkpoints):
+    """A worker raising (here at a step that describes no batch, sent while the engine idles)
+    exits instead of waiting for its peers, so the engine reports it and stops serving."""
+    from nano_engine.model_runner import StepInput
+
+    path = checkpoints("qwen3")
+    with LLM(path, kvcache_block_size=4, device="cpu", tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        engine.workers.conns[0].send(StepInput([], [], [], [], 0, []))
+        start = time.monotonic()
+        while engine.error is None and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        assert "tensor-parallel worker 1" in str(engine.error)
+        assert "exited with code 1" in str(engine.error)
+        with pytest.raises(EngineDeadError):
+            llm.generate("more", GREEDY, use_tqdm=False)
 
 
 def test_a_start_that_fails_after_the_workers_leaves_nothing_behind(checkpoints):

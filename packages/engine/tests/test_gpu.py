@@ -185,11 +185,13 @@ def test_tp2_on_two_gpus_matches_transformers_with_cuda_graphs(checkpoints):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("failure", ["worker killed", "rank 0 fails mid-step"])
-def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoints, failure):
-    """With CUDA graphs (whose decode steps hold NCCL all-reduces), either rank failing in the
-    middle of a step leaves the other in an all-reduce that never completes: the engine must
-    report it within seconds and shut down, leaving no process group (the next engine starts)."""
+@pytest.mark.parametrize("failure", ["worker killed", "worker fails", "rank 0 fails mid-step"])
+def test_tp2_on_two_gpus_a_failure_ends_in_an_error_not_a_hang(checkpoints, failure):
+    """With CUDA graphs (whose decode steps hold NCCL all-reduces): a worker killed mid-step
+    (rank 0 is left in an all-reduce), a worker raising (here at a step that describes no
+    batch; it must exit, not finalize without its peer), rank 0 failing mid-step (the worker
+    is left in an all-reduce). The engine reports it within seconds and shuts down, leaving no
+    process group (the next engine of the process starts)."""
     import faulthandler
     import os
     import signal
@@ -198,6 +200,7 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
     import torch.distributed as dist
 
     from nano_engine import EngineDeadError
+    from nano_engine.model_runner import StepInput
 
     path = checkpoints("qwen3")
     options = {
@@ -212,10 +215,18 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     try:
         assert engine.runner.graphs is not None
+        start = time.monotonic()
         if failure == "worker killed":
             stream = engine.add_request(sample_prompts()[0], params)
             assert stream.get(timeout=60) is not None
+            start = time.monotonic()
             os.kill(workers[0].pid, signal.SIGKILL)
+        elif failure == "worker fails":  # (the engine is idle: nothing else on the pipe)
+            engine.workers.conns[0].send(StepInput([], [], [], [], 0, []))
+            while engine.error is None and time.monotonic() - start < 30:
+                time.sleep(0.1)
+            stream = None
+            assert "exited with code 1" in str(engine.error)
         else:
             execute, calls = engine.runner.execute, []
 
@@ -227,10 +238,10 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
 
             engine.runner.execute = failing
             stream = engine.add_request(sample_prompts()[0], params)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError):
-            for _ in stream:
-                pass
+        if stream is not None:
+            with pytest.raises(EngineDeadError):
+                for _ in stream:
+                    pass
         assert time.monotonic() - start < 30
     finally:
         closer = threading.Thread(target=llm.shutdown, daemon=True)
@@ -244,4 +255,5 @@ def test_tp2_on_two_gpus_a_failure_mid_step_ends_in_an_error_not_a_hang(checkpoi
     assert all(p.exitcode is not None for p in workers)
     assert not dist.is_initialized()
     with LLM(path, **options) as llm:
-        assert llm.generate("again", params, use_tqdm=False)[0].outputs[0].token_ids
+        greedy = SamplingParams(temperature=0, max_tokens=4)
+        assert len(llm.generate("again", greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -30,7 +30,7 @@ from nano_engine.config import EngineConfig
 from nano_engine.detokenizer import IncrementalDetokenizer
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from nano_engine.parallel import Workers, init_group
+from nano_engine.parallel import Workers, abort_group, init_group
 from nano_engine.sampler import SampledTokens, Sampler
 from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_kvcache import BlockManager
@@ -146,7 +146,7 @@ class LLMEngine:
                 self.block_manager,
             )
         except BaseException:  # (workers and the process group would outlive the engine)
-            self._release(close_runner=hasattr(self, "runner"))
+            self._release()
             raise
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
@@ -552,6 +552,9 @@ class LLMEngine:
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
+            if self.error is not None:  # the first failure stands (its requests have it)
+                log.debug("after the engine had stopped: %s", error)
+                return
             self.error = error
             requests = list(self._requests.values())
             self._requests.clear()
@@ -580,27 +583,29 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         _unfreeze_gc(self)
-        self._release(close_runner=not self._thread.is_alive())
+        self._release(self._thread)
 
-    def _release(self, close_runner: bool) -> None:
+    def _release(self, loop: threading.Thread | None = None) -> None:
         """Free the runner's device memory, then stop the workers and the process group, even
         if the first fails. In this order: NCCL's destroy waits for every CUDA graph that
-        captured one of its collectives. But a dead worker, or one that this rank's failure
-        mid-step left in a collective (it never returns from it), would never finalize, and
-        this rank may have a collective that never ends, which freeing memory waits for. Then
-        the graphs go first, the process group is aborted (NCCL's kernels exit; its abort
-        too waits for the graphs, seen on two H200s), and the workers are terminated."""
-        import torch.distributed as dist
+        captured one of its collectives. ``loop``: the step loop's thread, once started; the
+        runner is closed only after it has ended.
 
-        broken = self.workers is not None and (self._apart or self.workers.dead() is not None)
-        if broken and dist.is_initialized() and dist.get_backend() == "nccl":
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                if hasattr(self, "runner"):  # (a loop thread still alive waits on the device)
-                    self.runner.release_graphs()
-                abort()
+        Broken tensor parallelism: a dead worker, a failure on this rank between sending a step
+        and launching it (a worker waits in a collective this rank never joins), or a loop
+        still waiting on the device. Then the process group is aborted first (its kernels exit,
+        and the loop with them), and the workers are terminated after 2 s."""
+        stuck = loop is not None and loop is not threading.current_thread() and loop.is_alive()
+        broken = self.workers is not None and (
+            self._apart or stuck or self.workers.dead() is not None
+        )
         try:
-            if close_runner:
+            if broken:
+                # (with the loop alive too: it waits on the device, past its last replay)
+                abort_group(getattr(self, "runner", None))
+                if stuck:
+                    loop.join(timeout=5)
+            if hasattr(self, "runner") and (loop is None or not loop.is_alive()):
                 self.runner.close()
         finally:
             self._stop_workers(broken)

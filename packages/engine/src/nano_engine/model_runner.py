@@ -380,16 +380,20 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = None
         model = runner.model
-        for size in reversed(self.sizes):
-            ctx = self._context(size)
-            with torch.inference_mode():
-                model(self.ids[:size], self.positions[:size], ctx)  # warm-up (compilation)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = model(self.ids[:size], self.positions[:size], ctx)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = (graph, hidden, ctx)
-        torch.cuda.synchronize(dev)
+        try:
+            for size in reversed(self.sizes):
+                ctx = self._context(size)
+                with torch.inference_mode():
+                    model(self.ids[:size], self.positions[:size], ctx)  # warm-up (compilation)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = model(self.ids[:size], self.positions[:size], ctx)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[size] = (graph, hidden, ctx)
+            torch.cuda.synchronize(dev)
+        except BaseException:  # (the traceback would keep them, and NCCL waits for them)
+            self.release()
+            raise
         log.info(
             "captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
             len(self.sizes),

@@ -48,6 +48,21 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> Tensor
     return TensorParallel.from_group()
 
 
+def abort_group(runner: ModelRunner | None) -> None:
+    """Abort the process group (NCCL) when a peer may never join its collectives or finalize:
+    dead, or failed in the middle of a step. Its kernels then exit. NCCL's abort, like its
+    destroy, waits for every CUDA graph that captured one of its collectives (seen on two
+    H200s), so the runner's graphs go first."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return  # (gloo: a collective with a peer gone raises)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        return
+    if runner is not None:
+        runner.release_graphs()
+    abort()
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
@@ -65,7 +80,7 @@ def _worker_main(
     conn.send("ready")  # imported and unpickled: the engine may join the process group now
     dev = rank_device(torch.device(device), rank)
     tp = init_group(rank, world, port, dev)
-    runner = None
+    runner, stopped = None, False
     try:
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
         gc.collect()
@@ -74,6 +89,7 @@ def _worker_main(
         while True:
             step = conn.recv()
             if step is None:
+                stopped = True
                 break
             previous = None
             if step.pending_rows:  # async scheduling: rank 0's tokens of the previous step
@@ -85,10 +101,13 @@ def _worker_main(
         pass  # the engine is gone
     finally:
         try:
+            if not stopped:  # failed (maybe mid-step), or rank 0 is gone: exit without peers
+                abort_group(runner)
             if runner is not None:
                 runner.close()  # its CUDA graphs first: NCCL's destroy waits for them
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 class Workers:
@@ -187,13 +206,17 @@ class Workers:
                 conn.send(None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop (if not asked yet) and join every worker, terminating any that hangs."""
+        """Stop (if not asked yet) and join every worker, terminating those still alive after
+        ``timeout`` seconds."""
         self.stop()
+        deadline = time.monotonic() + timeout
         for proc in self.procs:
-            proc.join(timeout)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout)
+        for proc in self.procs:
+            proc.join(timeout)
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
