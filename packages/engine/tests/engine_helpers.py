@@ -11,6 +11,20 @@ from nano_models.testing import load_reference
 NEW_TOKENS = 32
 
 
+def failing_at(fn, n: int, message: str):
+    """fn, except that its n-th call raises RuntimeError(message) (an injected failure)."""
+    calls = 0
+
+    def wrapper(*args):
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise RuntimeError(message)
+        return fn(*args)
+
+    return wrapper
+
+
 def sample_prompts(vocab: int = 300, seed: int = 0) -> list[list[int]]:
     """8 prompts of different lengths; the first four share a 20-token prefix."""
     rng = random.Random(seed)

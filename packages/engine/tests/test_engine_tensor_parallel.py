@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from engine_helpers import sample_prompts
+from engine_helpers import failing_at, sample_prompts
 
 from nano_engine import LLM, EngineDeadError, SamplingParams
 
@@ -81,15 +81,7 @@ def test_tp2_async_a_failure_on_rank0_after_a_launch_leaves_no_worker_waiting(ch
     path = checkpoints("qwen3")
     with LLM(path, kvcache_block_size=4, device="cpu", tensor_parallel_size=2) as llm:
         engine = llm.engine
-        sample, calls = engine.sampler.sample, []
-
-        def failing(*args):
-            calls.append(1)
-            if len(calls) == 5:
-                raise RuntimeError("injected sampler failure")
-            return sample(*args)
-
-        engine.sampler.sample = failing
+        engine.sampler.sample = failing_at(engine.sampler.sample, 5, "injected sampler failure")
         with pytest.raises(EngineDeadError, match="injected sampler failure"):
             llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
         assert not engine._apart  # (the step was launched: the worker is not left behind)
@@ -112,15 +104,7 @@ def test_tp2_a_failure_on_rank0_mid_step_stops_the_worker_left_in_a_collective(c
     options = {"kvcache_block_size": 4, "device": "cpu", "tensor_parallel_size": 2}
     llm = LLM(path, **options)
     engine = llm.engine
-    execute, calls = engine.runner.execute, []
-
-    def failing(*args):
-        calls.append(1)
-        if len(calls) == 5:
-            raise RuntimeError("injected forward failure")
-        return execute(*args)
-
-    engine.runner.execute = failing
+    engine.runner.execute = failing_at(engine.runner.execute, 5, "injected forward failure")
     workers = engine.workers.procs
     with pytest.raises(EngineDeadError, match="injected forward failure"):
         llm.generate(sample_prompts(), GREEDY, use_tqdm=False)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
+from engine_helpers import NEW_TOKENS, failing_at, hf_greedy, sample_prompts
 
 from nano_engine import LLM, SamplingParams
 from nano_models.testing import load_reference
@@ -228,15 +228,8 @@ def test_tp2_on_two_gpus_a_failure_ends_in_an_error_not_a_hang(checkpoints, fail
             stream = None
             assert "exited with code 1" in str(engine.error)
         else:
-            execute, calls = engine.runner.execute, []
-
-            def failing(*args):
-                calls.append(1)
-                if len(calls) == 20:  # a decode step, in a graph
-                    raise RuntimeError("injected forward failure")
-                return execute(*args)
-
-            engine.runner.execute = failing
+            # (the 20th step is a decode, in a graph)
+            engine.runner.execute = failing_at(engine.runner.execute, 20, "injected failure")
             stream = engine.add_request(sample_prompts()[0], params)
         if stream is not None:
             with pytest.raises(EngineDeadError):
