@@ -14,6 +14,7 @@ from nano_scheduler import SchedulerConfig
 from nano_scheduler.sim import (
     GPU,
     BatchShape,
+    DeviceOnlyModel,
     FittedCostModel,
     ModelShape,
     RooflineCostModel,
@@ -30,7 +31,7 @@ TRACE = Path(__file__).parent / "data" / "azure_llm_2023_conv_head100.csv"
 H200 = GPU("h200", 4.3e12, 790e12, 141e9)
 
 
-class ZeroCost:
+class ZeroCost(DeviceOnlyModel):
     def step_time(self, batch: BatchShape) -> float:
         return 0.0
 

@@ -24,7 +24,7 @@ from nano_models.config import DTYPES
 from nano_models.context import longest_first
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
-from nano_scheduler import PENDING_TOKEN, SchedulerOutput
+from nano_scheduler import PENDING_TOKEN, SchedulerOutput, cuda_graph_sizes
 
 log = logging.getLogger("nano_engine")
 
@@ -359,11 +359,7 @@ class DecodeGraphs:
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
         self.runner = runner
-        self.sizes = sorted(
-            {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
-            | set(range(16, max_num_seqs + 1, 16))
-            | {max_num_seqs}
-        )
+        self.sizes = cuda_graph_sizes(max_num_seqs)
         self.width = -(-runner.max_model_len // runner.block_size)
         biggest = self.sizes[-1]
         dev = runner.device

@@ -57,3 +57,10 @@ class SchedulerConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+
+
+def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes the engine captures CUDA graphs for: 1, 2, 4, 8, then every
+    multiple of 16, and max_num_seqs itself; a batch runs in the smallest that fits it."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+    return sorted(sizes | set(range(16, max_num_seqs + 1, 16)) | {max_num_seqs})

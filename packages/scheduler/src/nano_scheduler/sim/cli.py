@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from nano_scheduler.config import SchedulerConfig
+from nano_scheduler.config import POLICIES, SchedulerConfig
 from nano_scheduler.sim.cost_model import GPU, FittedCostModel, ModelShape, RooflineCostModel
 from nano_scheduler.sim.metrics import format_summary
+from nano_scheduler.sim.profile import SAMPLING_KINDS, Profile
+from nano_scheduler.sim.profiled import ProfiledCostModel
 from nano_scheduler.sim.simulator import Simulator
 from nano_scheduler.sim.workload import (
     load_azure_trace,
@@ -47,22 +49,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--prefix-len", type=int, default=0, help="tokens shared within a group")
     w.add_argument("--seed", type=int, default=0)
 
-    m = p.add_argument_group("model and GPU")
+    m = p.add_argument_group("cost model: a profile of the engine, or the model and GPU")
+    m.add_argument(
+        "--profile",
+        type=Path,
+        help="a profile from nano-engine profile: step times measured on the engine, and the "
+        "engine's settings (the defaults of the engine options below)",
+    )
+    m.add_argument(
+        "--frontend",
+        choices=("server", "offline"),
+        help="with --profile: requests through the HTTP server (default) or the Python API",
+    )
+    m.add_argument(
+        "--sampling",
+        choices=SAMPLING_KINDS,
+        help="with --profile: the sampling the requests use (default greedy)",
+    )
     m.add_argument(
         "--model-config",
         type=Path,
-        required=True,
-        help="a Hugging Face config.json, or the directory holding it",
+        help="a Hugging Face config.json, or the directory holding it (required without "
+        "--profile; with it, checked against the profiled model)",
     )
-    m.add_argument("--gpu", default="h200", help="GPU preset (h200, h100, a100)")
+    m.add_argument("--gpu", help="GPU preset (h200, h100, a100; default h200)")
     m.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (overrides --gpu)")
     m.add_argument("--tflops", type=float, help="dense bf16 TFLOP/s (overrides --gpu)")
     m.add_argument("--gpu-memory", type=float, help="GPU memory in GB (overrides --gpu)")
     m.add_argument(
-        "--step-overhead-ms",
-        type=float,
-        default=0.0,
-        help="fixed time added to every step (CPU, launches)",
+        "--step-overhead-ms", type=float, help="fixed time added to every step (default 0)"
     )
     m.add_argument(
         "--fitted",
@@ -70,21 +85,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a fitted cost model JSON (coefficients or measured samples) instead of the roofline",
     )
 
-    s = p.add_argument_group("engine")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-blocks", type=int, help="KV blocks (default: from GPU memory)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    s.add_argument("--max-model-len", type=int, help="default: the model's max positions")
-    s.add_argument("--policy", default="decode_first", choices=("decode_first", "prefill_first"))
-    s.add_argument("--no-chunked-prefill", action="store_true")
-    s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--admission-lookahead", type=int, default=16)
-    s.add_argument("--watermark", type=float, default=0.01)
+    s = p.add_argument_group("engine (defaults: the profile's, else those shown)")
+    s.add_argument("--block-size", type=int, help="tokens per KV block (16)")
+    s.add_argument(
+        "--num-blocks", type=int, help="KV blocks (without a profile: from the GPU's memory)"
+    )
+    s.add_argument("--gpu-memory-utilization", type=float, help="(0.9; without a profile)")
+    s.add_argument("--max-num-seqs", type=int, help="(256)")
+    s.add_argument("--max-num-batched-tokens", type=int, help="(16384)")
+    s.add_argument("--max-model-len", type=int, help="(the model's max positions)")
+    s.add_argument("--policy", choices=POLICIES, help="(decode_first)")
+    s.add_argument(
+        "--chunked-prefill", action=argparse.BooleanOptionalAction, help="(on)", default=None
+    )
+    s.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, help="(on)", default=None
+    )
+    s.add_argument("--admission-lookahead", type=int, help="(16)")
+    s.add_argument("--watermark", type=float, help="(0.01)")
+    s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap each step's host work with the previous step on the device (on)",
+    )
 
     o = p.add_argument_group("output")
-    o.add_argument("--json", type=Path, help="write the summary and timeline as JSON")
+    o.add_argument(
+        "--json", type=Path, help="write the summary, per-request records and timeline as JSON"
+    )
     o.add_argument("--plot", type=Path, help="write latency CDFs and usage over time (PNG)")
     return p.parse_args(argv)
 
@@ -98,23 +127,53 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# Engine options without a profile (with one, the profile's settings are the defaults).
+DEFAULTS = {
+    "block_size": 16,
+    "gpu_memory_utilization": 0.9,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 16384,
+    "policy": "decode_first",
+    "chunked_prefill": True,
+    "prefix_caching": True,
+    "admission_lookahead": 16,
+    "watermark": 0.01,
+    "async_scheduling": True,
+}
+
+
 def _check(args: argparse.Namespace) -> None:
     """Values out of range and options that the chosen workload or cost model would ignore."""
     for name in ("bandwidth", "tflops", "gpu_memory", "rate", "rate_scale"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    if args.step_overhead_ms < 0:
+    if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
         raise ValueError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     problems = []
-    if args.fitted:
-        fitted = {"--bandwidth": args.bandwidth is not None, "--tflops": args.tflops is not None}
-        fitted["--step-overhead-ms"] = args.step_overhead_ms != 0
-        problems += [f"{flag} would be ignored with --fitted" for flag, on in fitted.items() if on]
+    roofline = {
+        "--gpu": args.gpu,
+        "--bandwidth": args.bandwidth,
+        "--tflops": args.tflops,
+        "--gpu-memory": args.gpu_memory,
+        "--step-overhead-ms": args.step_overhead_ms,
+    }
+    if args.profile:
+        measured = {**roofline, "--fitted": args.fitted}
+        measured["--gpu-memory-utilization"] = args.gpu_memory_utilization
+        problems += [f"{f} would be ignored with --profile" for f, v in measured.items() if v]
+    else:
+        if args.model_config is None:
+            raise ValueError("give --profile (from nano-engine profile), or --model-config")
+        for flag, value in (("--frontend", args.frontend), ("--sampling", args.sampling)):
+            if value is not None:
+                problems.append(f"{flag} needs --profile")
+        if args.fitted:
+            problems += [f"{f} would be ignored with --fitted" for f, v in roofline.items() if v]
     given = {  # the workload options, and whether each was set
         "--limit": args.limit is not None,
         "--rate": args.rate is not None,
@@ -139,25 +198,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
 
 
-def _run(args: argparse.Namespace) -> int:
-    _check(args)
-    config_path = args.model_config
-    if config_path.is_dir():
-        config_path = config_path / "config.json"
-    hf_config = json.loads(config_path.read_text())
-    model = ModelShape.from_hf_config(hf_config)
-    gpu = GPU.preset(args.gpu)
-    gpu = GPU(
-        gpu.name,
-        args.bandwidth * 1e12 if args.bandwidth is not None else gpu.mem_bandwidth,
-        args.tflops * 1e12 if args.tflops is not None else gpu.flops,
-        args.gpu_memory * 1e9 if args.gpu_memory is not None else gpu.memory,
-    )
-    if args.fitted:
-        cost = FittedCostModel.from_json(args.fitted)
-    else:
-        cost = RooflineCostModel(model, gpu, args.step_overhead_ms / 1e3)
-
+def _workload(args: argparse.Namespace) -> list:
     if args.trace:
         requests = load_azure_trace(args.trace, args.limit)
     elif args.nano_vllm_bench:
@@ -174,38 +215,31 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.rate_scale != 1.0:
         requests = scale_arrivals(requests, args.rate_scale)
+    return requests
 
-    num_blocks = args.num_blocks
-    if num_blocks is None:
-        free = gpu.memory * args.gpu_memory_utilization - model.weight_bytes
-        num_blocks = int(free // (model.kv_bytes_per_token * args.block_size))
-        if num_blocks < 1:
-            raise ValueError(f"the weights ({model.weight_bytes / 1e9:.1f} GB) leave no KV memory")
-    max_model_len = args.max_model_len or hf_config.get("max_position_embeddings", 4096)
-    sched_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        policy=args.policy,
-        admission_lookahead=args.admission_lookahead,
-        watermark=args.watermark,
-    )
-    sim = Simulator(
-        requests,
-        cost,
-        sched_config,
-        num_blocks,
-        args.block_size,
-        not args.no_prefix_caching,
-        args.seed,
-    )
-    print(
-        f"simulating {len(requests)} requests on {gpu.name} ({gpu.mem_bandwidth / 1e12:.2f} "
-        f"TB/s, {gpu.flops / 1e12:.0f} TFLOP/s), {num_blocks} KV blocks of {args.block_size} "
-        f"tokens ({num_blocks * args.block_size:,} tokens)",
-        flush=True,
-    )
+
+def _setting(args: argparse.Namespace, name: str, profiled=None):
+    """An engine option: as given, else the profile's, else the default."""
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return profiled if profiled is not None else DEFAULTS[name]
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check(args)
+    hf_config = None
+    if args.model_config is not None:
+        path = (
+            args.model_config / "config.json" if args.model_config.is_dir() else args.model_config
+        )
+        try:
+            hf_config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    build = _from_profile if args.profile else _from_model
+    sim, headline = build(args, hf_config, _workload(args))
+    print(headline, flush=True)
     start = time.perf_counter()
     result = sim.run()
     print(format_summary(result.summary()))
@@ -215,6 +249,99 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         result.plot(args.plot)
     return 0
+
+
+def scheduler_config(args, max_model_len: int, eng=None) -> SchedulerConfig:
+    """The scheduler's settings from the options, the profile's engine (``eng``) as default.
+    The engine raises the token budget to max_num_seqs (a decode each): so does this."""
+    max_num_seqs = _setting(args, "max_num_seqs", eng and eng.max_num_seqs)
+    budget = _setting(args, "max_num_batched_tokens", eng and eng.max_num_batched_tokens)
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(budget, max_num_seqs),
+        max_model_len=max_model_len,
+        enable_chunked_prefill=_setting(
+            args, "chunked_prefill", eng and eng.enable_chunked_prefill
+        ),
+        policy=_setting(args, "policy", eng and eng.policy),
+        admission_lookahead=_setting(args, "admission_lookahead", eng and eng.admission_lookahead),
+        watermark=_setting(args, "watermark", eng and eng.watermark),
+    )
+
+
+def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
+    profile = Profile.load(args.profile)
+    if hf_config is not None:
+        profile.check_model(hf_config)
+    eng = profile.engine
+    if args.block_size is not None and args.block_size != eng.block_size:
+        raise ValueError(
+            f"the profile was measured with KV blocks of {eng.block_size} tokens, not "
+            f"{args.block_size} (the attention kernels' times depend on it): profile the engine "
+            f"with --kvcache-block-size {args.block_size}"
+        )
+    config = scheduler_config(args, args.max_model_len or eng.max_model_len, eng)
+    frontend = args.frontend or "server"
+    cost = ProfiledCostModel(profile, frontend, args.sampling or "greedy", config.max_num_seqs)
+    num_blocks = args.num_blocks or eng.num_kv_blocks
+    sim = Simulator(
+        requests,
+        cost,
+        config,
+        num_blocks,
+        eng.block_size,
+        _setting(args, "prefix_caching", eng.enable_prefix_caching),
+        args.seed,
+        async_scheduling=_setting(args, "async_scheduling", eng.async_scheduling),
+        frontend=cost if frontend == "server" else None,
+    )
+    name = profile.meta.get("model_name", "the model")
+    device = profile.device.get("name", profile.device.get("type", "a device"))
+    headline = (
+        f"simulating {len(requests)} requests with the profile of {name} on {device} "
+        f"({frontend}), {num_blocks} KV blocks of {eng.block_size} tokens "
+        f"({num_blocks * eng.block_size:,} tokens)"
+    )
+    return sim, headline
+
+
+def _from_model(args, hf_config, requests) -> tuple[Simulator, str]:
+    model = ModelShape.from_hf_config(hf_config)
+    gpu = GPU.preset(args.gpu or "h200")
+    gpu = GPU(
+        gpu.name,
+        args.bandwidth * 1e12 if args.bandwidth is not None else gpu.mem_bandwidth,
+        args.tflops * 1e12 if args.tflops is not None else gpu.flops,
+        args.gpu_memory * 1e9 if args.gpu_memory is not None else gpu.memory,
+    )
+    if args.fitted:
+        cost = FittedCostModel.from_json(args.fitted)
+    else:
+        cost = RooflineCostModel(model, gpu, (args.step_overhead_ms or 0.0) / 1e3)
+    block_size = _setting(args, "block_size")
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        free = gpu.memory * _setting(args, "gpu_memory_utilization") - model.weight_bytes
+        num_blocks = int(free // (model.kv_bytes_per_token * block_size))
+        if num_blocks < 1:
+            raise ValueError(f"the weights ({model.weight_bytes / 1e9:.1f} GB) leave no KV memory")
+    max_model_len = args.max_model_len or hf_config.get("max_position_embeddings", 4096)
+    sim = Simulator(
+        requests,
+        cost,
+        scheduler_config(args, max_model_len),
+        num_blocks,
+        block_size,
+        _setting(args, "prefix_caching"),
+        args.seed,
+        async_scheduling=_setting(args, "async_scheduling"),
+    )
+    headline = (
+        f"simulating {len(requests)} requests on {gpu.name} ({gpu.mem_bandwidth / 1e12:.2f} "
+        f"TB/s, {gpu.flops / 1e12:.0f} TFLOP/s), {num_blocks} KV blocks of {block_size} "
+        f"tokens ({num_blocks * block_size:,} tokens)"
+    )
+    return sim, headline
 
 
 if __name__ == "__main__":

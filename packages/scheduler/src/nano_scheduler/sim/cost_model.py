@@ -1,31 +1,39 @@
-"""Step-time models: how long the GPU takes for one scheduled batch.
+"""Step-time models: how long the engine takes for one scheduled batch, and where.
 
-A ``CostModel`` sees the batch's shape only: each prefill chunk as (new tokens, tokens already
-cached) and each decode as its context length. ``RooflineCostModel`` derives the time from the
-model's dimensions and the GPU's bandwidth and FLOP rate; ``FittedCostModel`` uses coefficients
-fitted to step times measured on a real engine.
+A ``CostModel`` sees the batch's shape: each prefill chunk as (new tokens, tokens already
+cached) and each decode as its context length. It returns the host's and the device's seconds
+(``StepCost``); the simulator overlaps them as the engine's loop does. ``RooflineCostModel``
+derives the device's time from the model's dimensions and the GPU's bandwidth and FLOP rate;
+``FittedCostModel`` fits a linear model to measured step times. The calibrated model, built
+from ``nano-engine profile``, is ``nano_scheduler.sim.profiled.ProfiledCostModel``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from nano_scheduler.scheduler import SchedulerOutput
+from nano_scheduler.sim.fit import nnls
+from nano_scheduler.sim.profile import STEP_LOG_FORMAT, StepRecord, read_step_log
 
 
 class BatchShape(NamedTuple):
     prefills: list[tuple[int, int]]  # (new tokens, cached tokens before them) per chunk
     decodes: list[int]  # context length (tokens attended, the new one included) per decode
     num_sampled: int  # tokens sampled this step (LM head rows)
+    num_running: int = 0  # running sequences when the step was scheduled
+    num_waiting: int = 0  # waiting ones
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> BatchShape:
+    def of(cls, out: SchedulerOutput, num_running: int = 0, num_waiting: int = 0) -> BatchShape:
         prefills = [(c.num_tokens, c.start) for c in out.prefills]
         sampled = sum(c.samples for c in out.prefills) + len(out.decodes)
-        return cls(prefills, [len(s.token_ids) for s in out.decodes], sampled)
+        decodes = [len(s.token_ids) for s in out.decodes]
+        return cls(prefills, decodes, sampled, num_running, num_waiting)
 
     @property
     def num_tokens(self) -> int:
@@ -41,10 +49,48 @@ class BatchShape(NamedTuple):
         return sum(self.decodes)
 
 
+class StepCost(NamedTuple):
+    """Seconds of one step by where they are spent, in the step loop's order. Host:
+    ``schedule`` (scheduler and step inputs), ``launch`` (the forward's launch),
+    ``sample_host`` (the sampler's inputs and launch, the scheduler's advance). Device:
+    ``forward`` (the model) and ``sample``. How they overlap is the simulator's business."""
+
+    schedule: float = 0.0
+    launch: float = 0.0
+    forward: float = 0.0
+    sample_host: float = 0.0
+    sample: float = 0.0
+
+
 class CostModel(Protocol):
-    def step_time(self, batch: BatchShape) -> float:
-        """Seconds the GPU needs for this batch."""
+    """Where a step's time goes. ``synchronous``: the device's work blocks the host (a CPU)."""
+
+    synchronous: bool
+
+    def step_cost(self, batch: BatchShape) -> StepCost:
+        """The host and device seconds of scheduling, launching and sampling this batch."""
         ...
+
+    def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        """Host seconds to resolve a step's ``resolved`` tokens (``finished`` sequences ended)
+        and to publish ``outputs`` request outputs: (post, publish)."""
+        ...
+
+
+class DeviceOnlyModel:
+    """A cost model that knows only the device's time of a step (``step_time``): the host
+    costs nothing."""
+
+    synchronous = False
+
+    def step_time(self, batch: BatchShape) -> float:
+        raise NotImplementedError
+
+    def step_cost(self, batch: BatchShape) -> StepCost:
+        return StepCost(forward=self.step_time(batch))
+
+    def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        return 0.0, 0.0
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -153,7 +199,7 @@ GPU_PRESETS = {
 }
 
 
-class RooflineCostModel:
+class RooflineCostModel(DeviceOnlyModel):
     """max(FLOPs / rate, bytes / bandwidth) of a step, plus a fixed per-step overhead.
 
     Bytes: all weights once, every chunk's and decode's KV context once, the new tokens' KV
@@ -190,51 +236,64 @@ def features(batch: BatchShape) -> list[float]:
     ]
 
 
-class FittedCostModel:
-    """A linear model of measured step times over the batch's features (``FEATURES``).
+class FittedCostModel(DeviceOnlyModel):
+    """A linear model of measured step times over the batch's features (``FEATURES``), every
+    coefficient >= 0, and never below ``floor`` seconds (a step takes time).
 
-    JSON: ``{"coefficients": {"const": s, "tokens": s/token, ...}}``, or
-    ``{"samples": [{"prefills": [[new, cached], ...], "decodes": [context, ...],
-    "num_sampled": k, "seconds": t}, ...]}``, fitted by least squares.
+    JSON: ``{"coefficients": {"const": s, "tokens": s/token, ...}}``; or measured steps to
+    fit by least squares with non-negative coefficients: ``{"samples": [{"prefills": [[new,
+    cached], ...], "decodes": [context, ...], "num_sampled": k, "seconds": t}, ...]}``, or the
+    engine's step log (``nano-engine serve --step-log``), whose iterations are fitted by their
+    whole duration. ``nano-engine profile`` and ``ProfiledCostModel`` predict better: this
+    model knows neither the host's part nor CUDA graphs.
     """
 
-    def __init__(self, coefficients: dict[str, float]) -> None:
+    def __init__(self, coefficients: dict[str, float], floor: float = 1e-6) -> None:
         unknown = set(coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost features {sorted(unknown)}; known: {FEATURES}")
         self.coefficients = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
+        negative = [name for name, c in self.coefficients.items() if not c >= 0]
+        if negative:
+            raise ValueError(
+                f"cost coefficients must be >= 0 (a cost is never negative): {negative}"
+            )
+        if not floor > 0:
+            raise ValueError(f"the floor must be > 0 seconds, got {floor}")
+        self.floor = floor
+        self._coef = [self.coefficients[name] for name in FEATURES]
 
     def step_time(self, batch: BatchShape) -> float:
-        coef = [self.coefficients[name] for name in FEATURES]
-        return max(0.0, sum(c * x for c, x in zip(coef, features(batch))))
+        return max(self.floor, sum(c * x for c, x in zip(self._coef, features(batch))))
 
     @classmethod
     def fit(cls, samples: list[tuple[BatchShape, float]]) -> FittedCostModel:
+        """Least squares on the steps' relative errors, coefficients >= 0."""
         if len(samples) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps, got {len(samples)}")
+        bad = [t for _, t in samples if not 0 < t < math.inf]
+        if bad:
+            raise ValueError(f"measured step times must be > 0 seconds, got {bad[0]!r}")
         rows = [features(batch) for batch, _ in samples]
-        # Scale columns to comparable magnitudes before solving the normal equations.
-        scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(len(FEATURES))]
-        x = [[v / s for v, s in zip(r, scale)] for r in rows]
-        y = [seconds for _, seconds in samples]
-        k = len(FEATURES)
-        ata = [
-            [sum(r[i] * r[j] for r in x) + (1e-12 if i == j else 0.0) for j in range(k)]
-            for i in range(k)
-        ]
-        aty = [sum(r[i] * t for r, t in zip(x, y)) for i in range(k)]
-        solution, weakest = _solve(ata, aty)
-        if weakest is not None:
-            raise ValueError(
-                f"the measured steps do not determine the cost model: {FEATURES[weakest]} "
-                "varies too little, or only with the other features (measure prefill and "
-                "decode steps of several shapes, as nano-engine bench --step-log does)"
-            )
-        return cls({name: c / s for name, c, s in zip(FEATURES, solution, scale)})
+        for j, name in enumerate(FEATURES[1:], 1):
+            if max(r[j] for r in rows) == min(r[j] for r in rows):
+                raise ValueError(
+                    f"the measured steps do not determine the cost model: {name} does not "
+                    "vary (measure prefill and decode steps of several shapes, as nano-engine "
+                    "bench --step-log does)"
+                )
+        times = [t for _, t in samples]
+        coef = nnls(rows, times, [1.0 / t**2 for t in times])
+        return cls(dict(zip(FEATURES, coef)), floor=min(times) / 2)
 
     @classmethod
     def from_json(cls, path: str | Path) -> FittedCostModel:
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object")
         if "coefficients" in data:
             return cls(data["coefficients"])
         if "samples" in data:
@@ -253,29 +312,17 @@ class FittedCostModel:
                         f"[context, ...] and seconds ({type(e).__name__}: {e})"
                     ) from None
             return cls.fit(samples)
-        raise ValueError(f"{path}: expected 'coefficients' or 'samples'")
+        if data.get("format") == STEP_LOG_FORMAT:
+            records = read_step_log(data, path).steps
+            return cls.fit([(_shape(r), r.host + r.wait) for r in records if r.num_tokens])
+        raise ValueError(f"{path}: expected 'coefficients', 'samples' or an engine step log")
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"coefficients": self.coefficients}, indent=2))
 
 
-def _solve(a: list[list[float]], b: list[float]) -> tuple[list[float], int | None]:
-    """Gaussian elimination with partial pivoting of the normal equations (columns scaled to
-    at most 1), and the first column whose pivot is negligible (None: all independent)."""
-    n = len(b)
-    m = [[*row, v] for row, v in zip(a, b)]
-    largest = max(abs(a[i][i]) for i in range(n))
-    weakest = None
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if weakest is None and abs(m[pivot][col]) < 1e-9 * largest:
-            weakest = col
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x, weakest
+def _shape(record: StepRecord) -> BatchShape:
+    """A step record's batch (its decodes' contexts spread evenly: only their sum counts)."""
+    count, total, _ = record.decodes
+    decodes = [total // count + (i < total % count) for i in range(count)] if count else []
+    return BatchShape([tuple(p) for p in record.prefills], decodes, record.sampled)

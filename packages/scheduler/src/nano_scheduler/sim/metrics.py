@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nano_scheduler.sequence import Sequence
@@ -15,15 +15,18 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class RequestRecord:
+    """One request's life in seconds on one clock: sent (``arrival``), first scheduled, its
+    first token and its end received. A client's records have no ``first_scheduled`` (None)."""
+
     request: int  # index in the workload
     arrival: float
-    first_scheduled: float
+    first_scheduled: float | None
     first_token: float
     finish: float
     prompt_len: int
     output_len: int
-    preemptions: int
-    finish_reason: str
+    preemptions: int = 0
+    finish_reason: str = "length"
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestRecord:
@@ -48,8 +51,8 @@ class RequestRecord:
         return self.finish - self.arrival
 
     @property
-    def queueing(self) -> float:
-        return self.first_scheduled - self.arrival
+    def queueing(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
 
     @property
     def tpot(self) -> float | None:
@@ -57,6 +60,15 @@ class RequestRecord:
         if self.output_len < 2:
             return None
         return (self.finish - self.first_token) / (self.output_len - 1)
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e": self.e2e,
+            "queueing": self.queueing,
+        }
 
 
 @dataclass
@@ -110,6 +122,30 @@ def percentiles(values, ps=PERCENTILES) -> dict[str, float]:
     return out
 
 
+def summarize(records: list[RequestRecord], itl) -> dict:
+    """Throughput and latency percentiles of finished requests (``itl``: the gaps between a
+    request's consecutive outputs, over all requests). The duration runs from the first
+    arrival to the last finish. The same keys for the simulator and for a client's replay."""
+    duration = max(r.finish for r in records) - min(r.arrival for r in records) if records else 0.0
+    prompt = sum(r.prompt_len for r in records)
+    output = sum(r.output_len for r in records)
+    rate = (lambda n: n / duration) if duration > 0 else (lambda n: math.nan)
+    return {
+        "requests": len(records),
+        "duration_s": duration,
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "input_tok_per_s": rate(prompt),
+        "output_tok_per_s": rate(output),
+        "total_tok_per_s": rate(prompt + output),
+        "ttft_s": percentiles(r.ttft for r in records),
+        "tpot_s": percentiles(t for r in records if (t := r.tpot) is not None),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles(r.e2e for r in records),
+        "queueing_s": percentiles(q for r in records if (q := r.queueing) is not None),
+    }
+
+
 @dataclass
 class SimResult:
     requests: list[RequestRecord]
@@ -128,25 +164,10 @@ class SimResult:
         return max(r.finish for r in self.requests) - min(r.arrival for r in self.requests)
 
     def summary(self) -> dict:
-        reqs, duration = self.requests, self.duration
-        prompt = sum(r.prompt_len for r in reqs)
-        output = sum(r.output_len for r in reqs)
-        rate = (lambda n: n / duration) if duration > 0 else (lambda n: math.nan)
         return {
-            "requests": len(reqs),
+            **summarize(self.requests, self.itl),
             "rejected": len(self.rejected),
-            "duration_s": duration,
             "steps": self.num_steps,
-            "input_tokens": prompt,
-            "output_tokens": output,
-            "input_tok_per_s": rate(prompt),
-            "output_tok_per_s": rate(output),
-            "total_tok_per_s": rate(prompt + output),
-            "ttft_s": percentiles(r.ttft for r in reqs),
-            "tpot_s": percentiles(t for r in reqs if (t := r.tpot) is not None),
-            "itl_s": percentiles(self.itl),
-            "e2e_s": percentiles(r.e2e for r in reqs),
-            "queueing_s": percentiles(r.queueing for r in reqs),
             "preemptions": self.num_preemptions,
             "prefix_hit_rate": self.prefix_hit_rate,
             "kv_usage": {
@@ -164,6 +185,7 @@ class SimResult:
             "summary": self.summary(),
             "timeline": self.timeline.sampled(),
             "rejected": [{"request": i, "error": e} for i, e in self.rejected],
+            "requests": [r.to_dict() for r in sorted(self.requests, key=lambda r: r.request)],
         }
         Path(path).write_text(json.dumps(_no_nan(data), indent=2))  # (NaN is not JSON: null)
 

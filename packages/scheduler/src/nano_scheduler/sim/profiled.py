@@ -1,0 +1,305 @@
+"""The calibrated step-time model: built from an engine profile (``nano-engine profile``).
+
+Device time of a step:
+- a decode-only batch that fits a CUDA graph runs in the smallest captured graph that holds it
+  (padding rows cost their matmul rows, no attention): interpolated over the profiled total
+  context for that graph size (between graph sizes too, for what-if configurations);
+- any other step runs eagerly: a fit with non-negative coefficients over the batch's features
+  (a convex piecewise-linear cost of its tokens for the matmuls, attention pairs weighted by
+  the chunks' lengths, KV read by prefill chunks and decodes, per-sequence costs);
+- sampling: interpolated over the sampled rows, for the kind of sampling the requests use.
+
+Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negative linear fits
+over the step records the profile measured through the chosen frontend (``offline``: the
+Python API; ``server``: the HTTP server with streaming clients, whose event loop shares the
+GIL with the engine). With the ``server`` frontend, ``ingress`` (request sent to request
+accepted) and ``egress`` (output published to client received) come from the same run.
+
+No prediction is <= 0. A question far outside the profiled grid gets an answer extrapolated
+from the grid's edge and one warning per kind of question.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from bisect import bisect_left
+
+from nano_scheduler.config import cuda_graph_sizes
+from nano_scheduler.sim.cost_model import BatchShape, StepCost
+from nano_scheduler.sim.fit import Piecewise, log_hats, nnls
+from nano_scheduler.sim.profile import (
+    SAMPLING_KINDS,
+    GridPoint,
+    Profile,
+    StepRecord,
+)
+
+_FAR = 1.25  # asked beyond this factor of the profiled range: warn
+
+
+class ProfiledCostModel:
+    """Step times from a profile, for the engine settings the simulation uses.
+
+    ``max_num_seqs``: decides the CUDA-graph batch sizes as the engine would (default the
+    profile's); ``frontend``: ``server`` or ``offline`` host costs; ``sampling``: which of the
+    profiled sampling costs the requests pay (greedy, random, top_p, logprobs, penalties).
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        frontend: str = "server",
+        sampling: str = "greedy",
+        max_num_seqs: int | None = None,
+    ) -> None:
+        self.profile = profile
+        self.synchronous = bool(profile.device.get("synchronous", False))
+        if frontend not in profile.host:
+            raise ValueError(
+                f"the profile has no {frontend!r} host measurements; it has {sorted(profile.host)}"
+            )
+        if sampling not in profile.sampling:
+            known = [k for k in SAMPLING_KINDS if k in profile.sampling]
+            raise ValueError(f"the profile has no {sampling!r} sampling costs; it has {known}")
+        self.frontend, self.sampling = frontend, sampling
+        self._warned: set[str] = set()
+        engine = profile.engine
+        self.block_size = engine.block_size
+        seqs = max_num_seqs if max_num_seqs is not None else engine.max_num_seqs
+        self.graph_sizes = cuda_graph_sizes(seqs) if engine.cuda_graph_sizes else []
+        self._graph_limit = self.graph_sizes[-1] if self.graph_sizes else 0
+        self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
+        self._eager = EagerModel(profile.eager)
+        self._sample = Piecewise(profile.sampling[sampling])
+        self._host = HostModel(profile.host[frontend], engine.block_size)
+        server = profile.server if frontend == "server" else {}
+        self.ingress = _LinearCost(server.get("ingress", []))
+        self.egress = _LinearCost(server.get("egress", []))
+        self.first_request = float(server.get("first_request_s") or 0.0)
+
+    # ---- device --------------------------------------------------------------------------
+
+    def forward_time(self, batch: BatchShape) -> float:
+        """Device seconds of the model's forward (the LM head included)."""
+        n_dec = len(batch.decodes)
+        context = batch.decode_context
+        if n_dec and not batch.prefills and n_dec <= self._graph_limit:
+            size = self.graph_sizes[bisect_left(self.graph_sizes, n_dec)]
+            self._check("decode context", context / n_dec, self._decode.max_context)
+            self._check("CUDA-graph batch size", size, self._decode.sizes[-1])
+            return self._decode(size, context)
+        eager = self._eager
+        self._check("tokens in a step", batch.num_tokens, eager.max_tokens)
+        if batch.prefills:
+            self._check(
+                "cached tokens before a chunk", max(c for _, c in batch.prefills), eager.max_cached
+            )
+        return eager(batch.prefills, n_dec, context)
+
+    def sample_time(self, rows: int) -> float:
+        if not rows:
+            return 0.0
+        self._check("sampled rows", rows, self._sample.span[1])
+        return self._sample(rows)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def is_eager(self, batch: BatchShape) -> bool:
+        return bool(batch.prefills) or len(batch.decodes) > self._graph_limit
+
+    def step_cost(self, batch: BatchShape) -> StepCost:
+        eager = self.is_eager(batch)
+        schedule, launch, sample = self._host.step(batch, eager)
+        return StepCost(
+            schedule, launch, self.forward_time(batch), sample, self.sample_time(batch.num_sampled)
+        )
+
+    def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        return self._host.resolve(resolved, finished, outputs)
+
+    def _check(self, what: str, value: float, limit: float) -> None:
+        if value > _FAR * limit and what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(
+                f"nano-sim: {what} {value:,.0f} is far beyond the profile's {limit:,.0f}; the "
+                "time is extrapolated (profile the engine with a larger configuration)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+class DecodeGraphModel:
+    """CUDA-graph decode forwards: per captured size, interpolated over the batch's total
+    context; between profiled sizes, interpolated over the size."""
+
+    def __init__(self, points: list[GridPoint]) -> None:
+        by_size: dict[int, list[tuple[float, float]]] = {}
+        for p in points:
+            by_size.setdefault(p.num_decodes, []).append(
+                (p.num_decodes * p.decode_context, p.seconds)
+            )
+        self.sizes = sorted(by_size)
+        self.curves = {s: Piecewise(_distinct(by_size[s])) for s in self.sizes}
+        self.max_context = max(p.decode_context for p in points)
+
+    def __call__(self, size: int, context: int) -> float:
+        curve = self.curves.get(size)
+        if curve is not None:
+            return curve(context)
+        sizes = self.sizes
+        i = bisect_left(sizes, size)
+        if i == 0 or len(sizes) == 1:
+            return self.curves[sizes[0 if i == 0 else -1]](context)
+        lo, hi = (sizes[-2], sizes[-1]) if i == len(sizes) else (sizes[i - 1], sizes[i])
+        a, b = self.curves[lo](context), self.curves[hi](context)
+        return max(a, a + (b - a) * (size - lo) / (hi - lo))  # (past the last: its trend)
+
+
+def _distinct(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """One point per x (the mean of repeated measurements)."""
+    groups: dict[float, list[float]] = {}
+    for x, y in points:
+        groups.setdefault(x, []).append(y)
+    return [(x, sum(ys) / len(ys)) for x, ys in groups.items()]
+
+
+class EagerModel:
+    """Eager forwards: t = sum_k c_k f_k(batch) with every c_k >= 0, fitted on relative error.
+
+    Features: a constant; the step's tokens and ramps max(0, tokens - knot) at the profiled
+    token counts (a convex piecewise-linear matmul cost); each chunk's attention pairs weighted
+    by hat functions of log(chunk length) (short chunks use the tensor cores worse); keys read
+    by chunks; chunks; decodes; decode context.
+    """
+
+    def __init__(self, points: list[GridPoint]) -> None:
+        tokens = sorted({p.num_tokens for p in points})
+        self.token_knots = _thin(tokens[:-1], 12)
+        lengths = sorted({n for p in points for n, _ in p.prefills}) or [1]
+        self.length_knots = _geometric(lengths[0], lengths[-1], 8.0)
+        self.max_tokens = tokens[-1]
+        self.max_cached = max((c for p in points for _, c in p.prefills), default=0) or 1
+        rows = [
+            self.features(p.prefills, p.num_decodes, p.num_decodes * p.decode_context)
+            for p in points
+        ]
+        times = [p.seconds for p in points]
+        self.coef = nnls(rows, times, [1 / t**2 for t in times])
+        self.floor = min(times) / 2
+
+    def features(self, prefills, num_decodes: int, decode_context: int) -> list[float]:
+        t = sum(n for n, _ in prefills) + num_decodes
+        f = [1.0, t]
+        f += [t - k if t > k else 0.0 for k in self.token_knots]
+        pairs = [0.0] * len(self.length_knots)
+        keys = 0
+        for n, cached in prefills:
+            p = n * cached + n * (n + 1) / 2
+            for j, w in enumerate(log_hats(n, self.length_knots)):
+                if w:
+                    pairs[j] += w * p
+            keys += cached + n
+        f += pairs
+        f += [keys, len(prefills), num_decodes, decode_context]
+        return f
+
+    def __call__(self, prefills, num_decodes: int, decode_context: int) -> float:
+        f = self.features(prefills, num_decodes, decode_context)
+        return max(self.floor, sum(c * x for c, x in zip(self.coef, f)))
+
+
+def _thin(values: list[int], most: int) -> list[int]:
+    """At most ``most`` of ascending values, spread evenly in log scale."""
+    if len(values) <= most:
+        return values
+    lo, hi = math.log(values[0]), math.log(values[-1])
+    picked = []
+    for k in range(most):
+        target = math.exp(lo + (hi - lo) * k / (most - 1))
+        best = min(values, key=lambda v: abs(math.log(v) - math.log(target)))
+        if best not in picked:
+            picked.append(best)
+    return sorted(picked)
+
+
+def _geometric(lo: float, hi: float, ratio: float) -> list[float]:
+    knots = [float(lo)]
+    while knots[-1] * ratio < hi:
+        knots.append(knots[-1] * ratio)
+    if hi > knots[-1]:
+        knots.append(float(hi))
+    return knots
+
+
+class HostModel:
+    """The loop's host time per phase, each a non-negative linear fit over step records."""
+
+    def __init__(self, records: list[StepRecord], block_size: int) -> None:
+        self.block_size = block_size
+        steps = [r for r in records if r.num_tokens]
+        if not steps:
+            raise ValueError("the profile's host measurements hold no step")
+        self.schedule = _fit(steps, self._schedule_features, "schedule")
+        self.launch = _fit(steps, self._launch_features, "launch")
+        self.sample = _fit(steps, lambda r: [1.0, r.sampled], "sample")
+        resolving = [r for r in records if r.resolved]
+        self.post = _fit(resolving or steps, self._post_features, "post")
+        self.publish = _fit(records, lambda r: [1.0, r.outputs], "publish")
+
+    @staticmethod
+    def _schedule_features(r: StepRecord) -> list[float]:
+        prefill_tokens = sum(n for n, _ in r.prefills)
+        return [1.0, r.decodes[0], len(r.prefills), prefill_tokens, r.running, r.waiting]
+
+    def _launch_features(self, r: StepRecord) -> list[float]:
+        longest = max([r.decodes[2]] + [n + c for n, c in r.prefills])
+        seqs = r.decodes[0] + len(r.prefills)
+        table = seqs * -(-longest // self.block_size)
+        return [1.0, float(r.eager), table, r.num_tokens if r.eager else 0.0]
+
+    @staticmethod
+    def _post_features(r: StepRecord) -> list[float]:
+        return [1.0, r.resolved, r.finished, r.outputs]
+
+    def step(self, batch: BatchShape, eager: bool) -> tuple[float, float, float]:
+        n_dec = len(batch.decodes)
+        prefill_tokens = sum(n for n, _ in batch.prefills)
+        s = self.schedule
+        schedule = (
+            s[0]
+            + s[1] * n_dec
+            + s[2] * len(batch.prefills)
+            + s[3] * prefill_tokens
+            + s[4] * batch.num_running
+            + s[5] * batch.num_waiting
+        )
+        longest = max(batch.decodes) if batch.decodes else 0
+        for n, c in batch.prefills:
+            longest = max(longest, n + c)
+        table = (n_dec + len(batch.prefills)) * -(-longest // self.block_size)
+        x = self.launch
+        launch = x[0] + x[2] * table + (x[1] + x[3] * (prefill_tokens + n_dec) if eager else 0.0)
+        sample = self.sample[0] + self.sample[1] * batch.num_sampled
+        return schedule, launch, sample
+
+    def resolve(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        p = self.post
+        post = p[0] + p[1] * resolved + p[2] * finished + p[3] * outputs
+        return post, self.publish[0] + self.publish[1] * outputs
+
+
+def _fit(records: list[StepRecord], features, phase: str) -> list[float]:
+    return nnls([features(r) for r in records], [getattr(r, phase) for r in records])
+
+
+class _LinearCost:
+    """seconds = a + b x with a, b >= 0, fitted to [[x, seconds], ...] (zero without data)."""
+
+    def __init__(self, points: list) -> None:
+        self.a = self.b = 0.0
+        if points:
+            self.a, self.b = nnls([[1.0, x] for x, _ in points], [s for _, s in points])
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
