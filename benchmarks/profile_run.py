@@ -64,13 +64,14 @@ def main() -> None:
     plain = time.perf_counter() - start
 
     llm.reset_prefix_cache()
-    engine.step_log = []
+    recorder = engine.record_steps()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         profiled = time.perf_counter() - start
-    steps = engine.step_log
+    engine.stop_recording()
+    steps = [r for r in recorder.steps if r.num_tokens]
     kv_token_bytes = engine.runner.layout.bytes_per_block / engine.config.kvcache_block_size
     num_layers = engine.model_config.num_hidden_layers
     llm.shutdown()
@@ -134,17 +135,17 @@ def main() -> None:
 
     # Each step with decodes launches the decode kernel once per layer, in step order.
     decode = [e.duration_ns() / 1e9 for e in events if "_decode_kernel" in e.name()]
-    with_decodes = [s for s in steps if s["decodes"]]
+    with_decodes = [s for s in steps if s.decodes[0]]
     if len(decode) != num_layers * len(with_decodes):
         print(f"\n{len(decode)} decode launches for {len(with_decodes)} steps: no per-step view")
         return
     buckets = defaultdict(lambda: [0.0, 0.0, 0])  # batch bucket -> seconds, bytes, steps
     for i, step in enumerate(with_decodes):
         seconds = sum(decode[i * num_layers : (i + 1) * num_layers])
-        bucket = 1 << (len(step["decodes"]) - 1).bit_length()
+        bucket = 1 << (step.decodes[0] - 1).bit_length()
         entry = buckets[bucket]
         entry[0] += seconds
-        entry[1] += sum(step["decodes"]) * kv_token_bytes
+        entry[1] += step.decodes[1] * kv_token_bytes
         entry[2] += 1
     print(f"\n{'decodes per step (up to)':>24} {'steps':>6} {'kernel s':>9} {'TB/s':>6}")
     for bucket in sorted(buckets):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nano_scheduler.sim.profile import read_step_log
+
 TINY = Path(__file__).resolve().parents[3] / "benchmarks" / "configs" / "tiny-qwen3.json"
 
 
@@ -42,7 +44,7 @@ def test_generate(checkpoints, tmp_path):
 
 def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
     out = tmp_path / "bench.json"
-    steps = tmp_path / "steps.json"
+    steps = tmp_path / "steps.jsonl"
     proc = run(
         "bench",
         str(TINY),
@@ -72,8 +74,16 @@ def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
     # The second run repeats the prompts but finds none of them cached: both compute them all.
     assert result["prefix_cache_hit_tokens_each_run"] == [0, 0]
     assert "prefix cache hits: 0 tokens" in proc.stdout
-    samples = json.loads(steps.read_text())["samples"]
-    assert len(samples) == result["steps"] and all(s["seconds"] > 0 for s in samples)
+    # The step log of the last run: every step, its device and host times, every request.
+    log = read_step_log(steps)
+    computed = [r for r in log.steps if r.num_tokens]
+    assert len(computed) == result["steps"]
+    assert sum(r.sampled for r in computed) == result["output_tokens"]
+    assert all(r.forward > 0 and r.sample_device > 0 and r.host > 0 for r in computed)
+    assert all(r.schedule > 0 for r in computed) and log.device["synchronous"]
+    assert sorted(int(r.id) for r in log.requests) == list(range(16 + 64, 2 * 16 + 64))
+    assert all(r.arrival <= r.first_scheduled <= r.finish for r in log.requests)
+    assert sum(r.output_tokens for r in log.requests) == result["output_tokens"]
 
 
 def test_bad_arguments_are_reported():

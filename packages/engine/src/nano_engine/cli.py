@@ -1,7 +1,9 @@
-"""The nano-engine command: generate text, or run nano-vllm's throughput benchmark.
+"""The nano-engine command: generate text, benchmark, serve, or profile for nano-sim.
 
 nano-engine generate MODEL --prompt "Hello" [--max-tokens 64] [--temperature 0]
 nano-engine bench MODEL --load-format dummy [--num-seqs 256] [--input-len 100 1024]
+nano-engine serve MODEL [--port 8000]
+nano-engine profile MODEL --load-format dummy --out profile.json   (then: nano-sim --profile)
 """
 
 from __future__ import annotations
@@ -104,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench.add_argument(
         "--step-log",
         type=Path,
-        help="write every step's batch shape and time (a fitted cost model's "
-        "samples for nano-sim --fitted)",
+        help="write every iteration of the loop (batch, host and device times) and every "
+        "request of the (last) timed run as JSON lines",
     )
     add_engine_options(bench)
 
@@ -130,7 +132,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds in-flight requests may run on after SIGTERM",
     )
+    srv.add_argument(
+        "--step-log",
+        type=Path,
+        help="write every iteration of the engine's loop and every request as JSON lines "
+        "(every few seconds and at shutdown)",
+    )
     add_engine_options(srv)
+
+    prof = commands.add_parser(
+        "profile",
+        help="measure the engine for nano-sim: step times over a grid of batch shapes, the "
+        "loop's host time offline and through the server",
+    )
+    prof.add_argument(
+        "model", help="checkpoint directory, or a config.json with --load-format dummy"
+    )
+    prof.add_argument("--out", type=Path, required=True, help="the profile (JSON) to write")
+    prof.add_argument(
+        "--quick", action="store_true", help="a small grid and short workloads (CPU, tests)"
+    )
+    prof.add_argument(
+        "--no-server",
+        action="store_true",
+        help="skip the measurements through the HTTP server (no nano-engine[serve])",
+    )
+    add_engine_options(prof)
     return parser.parse_args(argv)
 
 
@@ -141,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        return {"generate": generate, "bench": bench, "serve": serve}[args.command](args)
+        commands = {"generate": generate, "bench": bench, "serve": serve, "profile": profile}
+        return commands[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"nano-engine: error: {e}", file=sys.stderr)
         return 2
@@ -216,7 +244,7 @@ def bench(args: argparse.Namespace) -> int:
             llm.reset_prefix_cache()
             engine.stats.__init__()
             if args.step_log:
-                engine.step_log = []
+                engine.record_steps(args.step_log)
             start, hit = time.perf_counter(), blocks.hit_tokens
             outputs = llm.generate(prompts, params, use_tqdm=False)
             times.append(time.perf_counter() - start)
@@ -240,7 +268,7 @@ def bench(args: argparse.Namespace) -> int:
             "async_scheduling": engine.async_scheduling,
             "device": str(engine.runner.device),
         }
-        step_log = engine.step_log
+        engine.stop_recording()
     result["output_tok_per_s"] = result["output_tokens"] / elapsed
     result["total_tok_per_s"] = (result["output_tokens"] + result["input_tokens"]) / elapsed
     print(
@@ -259,8 +287,6 @@ def bench(args: argparse.Namespace) -> int:
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if args.step_log:
-        args.step_log.write_text(json.dumps({"samples": step_log}))
     return 0
 
 
@@ -270,6 +296,8 @@ def serve(args: argparse.Namespace) -> int:
     from nano_engine.server import serve as run_server
 
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    if args.step_log:
+        engine.record_steps(args.step_log)
     return run_server(
         engine,
         args.served_model_name or args.model,
@@ -280,6 +308,54 @@ def serve(args: argparse.Namespace) -> int:
         args.max_queue,
         args.grace_period,
     )
+
+
+def profile(args: argparse.Namespace) -> int:
+    from nano_engine.profiler import profile_engine, report
+
+    kwargs = engine_kwargs(args)
+    if kwargs["load_format"] == "dummy" and kwargs["tokenizer"] is None:
+        kwargs["skip_tokenizer_init"] = True
+    if not args.no_server:
+        try:
+            import fastapi  # noqa: F401
+            import httpx  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                f"profiling through the server needs nano-engine[serve] ({e.name} is missing); "
+                "install it, or pass --no-server"
+            ) from None
+    config = EngineConfig.from_kwargs(args.model, **kwargs)
+    bars = Bars()
+    result = profile_engine(config, quick=args.quick, server=not args.no_server, progress=bars)
+    bars.close()
+    result.save(args.out)
+    print(report(result))
+    print(f"profile written to {args.out}: nano-sim --profile {args.out} ...")
+    return 0
+
+
+class Bars:
+    """One progress bar per phase of a long command."""
+
+    def __init__(self) -> None:
+        self.phase, self.bar = None, None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        if phase != self.phase:
+            self.close()
+            self.phase, self.bar = phase, tqdm(total=total, desc=phase, dynamic_ncols=True)
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.phase, self.bar = None, None
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.parallel import Workers, abort_group, init_group
 from nano_engine.sampler import SampledTokens, Sampler
+from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
@@ -71,8 +72,7 @@ class _InFlight:
     sampled: SampledTokens
     pending: PendingStep
     rows: dict[int, int]  # seq_id -> row of its token in ``sampled``
-    launched: float
-    shape: dict | None  # its step-log entry, when recording
+    log: StepLogEntry | NullEntry  # its step-log record
 
 
 def load_tokenizer(config: EngineConfig):
@@ -158,10 +158,9 @@ class LLMEngine:
         self.error: BaseException | None = None
         self.stats = StepStats()
         self.stats_log = StatsLog()
-        self.step_log: list[dict] | None = None  # batch shapes and times, when recording
+        self.recorder: StepRecorder | None = None  # the step log, when recording
         self.async_scheduling = config.use_async_scheduling
         self._in_flight: _InFlight | None = None
-        self._last_arrival = 0.0
         self._frozen = False  # whether this engine holds the collector frozen (_freeze_gc)
         self._thread = threading.Thread(target=self._loop, name="nano-engine-loop", daemon=True)
         self._thread.start()
@@ -316,6 +315,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def record_steps(self, path: str | Path | None = None) -> StepRecorder:
+        """Start a step log: every iteration of the loop and every request from now on, in
+        memory or written to ``path`` (JSON lines, every few seconds and at shutdown)."""
+        self.recorder = StepRecorder(self.runner.device, path)
+        return self.recorder
+
+    def stop_recording(self) -> StepRecorder | None:
+        """End the step log (written out, if to a file); returns it."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.flush()
+        return recorder
+
     @property
     def num_requests(self) -> int:
         """Requests queued or running."""
@@ -355,6 +367,9 @@ class LLMEngine:
                         for index, seq in enumerate(payload.seqs):
                             self._seq_owner[seq.seq_id] = (payload, index)
                             self.scheduler.add(seq)
+                        if self.recorder is not None:
+                            ids = payload.prompt_token_ids
+                            self.recorder.accepted(payload.request_id, payload.arrival, len(ids))
                     elif kind == "abort":
                         self._abort(payload)
                     else:  # reset_prefix_cache
@@ -390,8 +405,8 @@ class LLMEngine:
     def _step(self, schedule: bool = True) -> None:
         """Schedule and launch a step, then read the previous step's tokens while it runs
         (async scheduling; without it, this step's own tokens). ``schedule=False`` only
-        finishes the step in flight."""
-        start = time.perf_counter()
+        finishes the step in flight. ``clock`` times each phase (the step log's record)."""
+        clock = Phases(self.runner.synchronous)
         previous, self._in_flight = self._in_flight, None
         out = SchedulerOutput()
         if schedule and self.scheduler.has_unfinished():
@@ -399,10 +414,12 @@ class LLMEngine:
         touched: dict[str, tuple[_Request, set[int]]] = {}
         for seq in out.finished:
             self._touch(touched, seq)
-        waited = 0.0
+        log = self._begin_record(out)
         if not out.is_empty:
             step = StepInput.of(out, previous.rows if previous else None)
             tokens = previous.sampled.tokens if previous else None
+            clock.mark("schedule")
+            log.mark(0)
             if self.workers is not None:
                 # Until this rank has launched the step, a worker may wait in a collective
                 # that this rank will never join (should it fail in between).
@@ -410,48 +427,61 @@ class LLMEngine:
                 self.workers.send(step, tokens)
             logits = self.runner.execute(step, tokens)
             self._apart = False
-            launched = time.perf_counter()
+            log.mark(1)
+            clock.mark("launch", device="forward")
+        clock.mark("schedule")
         if previous is not None:
-            waited += self._resolve(previous, out if not out.is_empty else None, touched)
+            self._resolve(previous, out if not out.is_empty else None, touched, clock)
+            previous.log.end()
         now = time.monotonic()
         outputs = [(r, self._output(r, indices, now)) for r, indices in touched.values()]
+        clock.mark("post")
+        current = None
         if not out.is_empty:
             seqs = out.sampling_seqs
-            shape = _shape(out) if self.step_log is not None else None
-            sampled = self.sampler.sample(logits, self.sampler.prepare(seqs))
-            current = _InFlight(
-                sampled,
-                self.scheduler.advance(out),
-                {seq.seq_id: row for row, seq in enumerate(seqs)},
-                launched,
-                shape,
-            )
+            batch = self.sampler.prepare(seqs)
+            clock.mark("sample")
+            log.mark(2)
+            sampled = self.sampler.sample(logits, batch)
+            log.mark(3)
+            clock.mark("sample", device="sample_device")
+            rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
+            current = _InFlight(sampled, self.scheduler.advance(out), rows, log)
+            clock.mark("sample")
             if self.async_scheduling:
                 self._in_flight = current
             else:
                 touched = {}
-                waited += self._resolve(current, None, touched)
+                self._resolve(current, None, touched, clock)
                 now = time.monotonic()
                 outputs += [(r, self._output(r, indices, now)) for r, indices in touched.values()]
-        self._deliver([(r, o) for r, o in outputs if o is not None])
+                clock.mark("post")
+        outputs = [(r, o) for r, o in outputs if o is not None]
+        self._deliver(outputs)
+        clock.outputs = len(outputs)
+        clock.mark("publish")
         if not out.is_empty:
-            elapsed = time.perf_counter() - start
-            self.stats.record(elapsed - waited, waited, out.num_batched_tokens)
-            self.stats_log.record(out, elapsed - waited, waited, self.scheduler)
+            self.stats.record(clock.host, clock.device, out.num_batched_tokens)
+            self.stats_log.record(out, clock.host, clock.device, self.scheduler)
+        log.close(clock, done=current is None or not self.async_scheduling)
 
-    def _resolve(self, step: _InFlight, next_out: SchedulerOutput | None, touched) -> float:
+    def _begin_record(self, out: SchedulerOutput) -> StepLogEntry:
+        recorder = self.recorder
+        if recorder is None:
+            return NO_ENTRY
+        eager = self.runner.is_eager(out)
+        return StepLogEntry(recorder, recorder.begin(out, self.scheduler, eager))
+
+    def _resolve(
+        self, step: _InFlight, next_out: SchedulerOutput | None, touched, clock: Phases
+    ) -> None:
         """Wait for a launched step's tokens and record them: the scheduler's placeholders,
-        logprobs, detokenization and stop strings. Returns the seconds spent waiting."""
-        wait = time.perf_counter()
+        logprobs, detokenization and stop strings."""
         tokens, logprobs = step.sampled.result()
-        arrived = time.perf_counter()
-        if step.shape is not None and self.step_log is not None:
-            # The device's time for the step: since its launch, or since the previous step's
-            # tokens arrived if it queued behind that step.
-            step.shape["seconds"] = arrived - max(step.launched, self._last_arrival)
-            self.step_log.append(step.shape)
-        self._last_arrival = arrived
+        clock.mark("wait")
         finished = self.scheduler.resolve(step.pending, tokens, next_out)
+        clock.resolved += len(step.pending.slots)
+        clock.finished += len(finished)
         # (those finished while scheduling the step come first: their outputs are out already)
         for seq in finished[len(step.pending.output.finished) :]:
             self._touch(touched, seq)
@@ -485,7 +515,6 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(seq.seq_id, FinishReason.STOP)
                 request.stop_reasons[index] = detok.stop_reason
-        return arrived - wait
 
     def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
         request, index = self._seq_owner[seq.seq_id]
@@ -545,6 +574,11 @@ class LLMEngine:
         """Publish, then retire the finished requests (until then a failure still reaches
         them through ``_fail``)."""
         publish((request.stream, out) for request, out in outputs)
+        if self.recorder is not None:
+            for request, out in outputs:
+                tokens = sum(len(o.token_ids) for o in out.outputs)
+                first = request.seqs[0].first_scheduled_time
+                self.recorder.published(request.request_id, tokens, out.finished, first)
         with self._cond:
             for request, out in outputs:
                 if out.finished:
@@ -583,6 +617,7 @@ class LLMEngine:
             # A loop blocked in a collective with a dead worker never returns: do not wait long.
             self._thread.join(timeout=2 if self.error is not None else 30)
         _unfreeze_gc(self)
+        self.stop_recording()
         self._release(self._thread)
 
     def _release(self, loop: threading.Thread | None = None) -> None:
@@ -696,15 +731,6 @@ class StatsLog:
             )
             self.preemptions = s.num_preemptions
         self._reset(now)
-
-
-def _shape(out) -> dict:
-    """A step's batch in the form of nano_scheduler.sim's fitted cost model samples."""
-    return {
-        "prefills": [[c.num_tokens, c.start] for c in out.prefills],
-        "decodes": [len(s.token_ids) for s in out.decodes],
-        "num_sampled": len(out.sampling_seqs),
-    }
 
 
 _gc_lock = threading.Lock()

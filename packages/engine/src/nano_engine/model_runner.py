@@ -286,6 +286,15 @@ class ModelRunner:
 
     # ---- a step ------------------------------------------------------------------------------
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether a step computes before ``execute`` returns (not a CUDA device)."""
+        return self.device.type != "cuda"
+
+    def is_eager(self, out: SchedulerOutput) -> bool:
+        """Whether this batch's forward runs eagerly (not in a CUDA graph)."""
+        return self.graphs is None or bool(out.prefills) or len(out.decodes) > self.graphs.sizes[-1]
+
     def tensors(self, step: StepInput, previous: torch.Tensor | None = None):
         """Device tensors of a step: input ids, positions and the ForwardContext. ``previous``:
         the previous step's sampled tokens, where ``step`` has pending inputs."""

@@ -272,7 +272,7 @@ class Server:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = _request_id(raw, "cmpl")
         streams = self._submit(prompts, params, rid, body.stream)
         head = {
             "id": rid,
@@ -329,7 +329,7 @@ class Server:
         self._check_model(body.model)
         params = self._params(body, body.max_new_tokens, body.num_logprobs)
         ids = self._chat_ids(body.messages, body.add_generation_prompt, "chat completions")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _request_id(raw, "chatcmpl")
         streams = self._submit([ids], params, rid, body.stream)
         head = {
             "id": rid,
@@ -477,6 +477,15 @@ async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
             pass
     finally:
         wake.set()
+
+
+def _request_id(raw: Request, kind: str) -> str:
+    """The client's ``X-Request-Id`` header, as vLLM takes it (a step log can then be matched
+    with the client's records), else a fresh one."""
+    given = raw.headers.get("x-request-id")
+    if given is not None and not 0 < len(given) <= 256:
+        raise APIError(400, "the X-Request-Id header must be 1 to 256 characters")
+    return given or f"{kind}-{uuid.uuid4().hex}"
 
 
 def _event_error(status: int, message: str, kind: str) -> str:

@@ -35,6 +35,20 @@ class BatchShape(NamedTuple):
         decodes = [len(s.token_ids) for s in out.decodes]
         return cls(prefills, decodes, sampled, num_running, num_waiting)
 
+    @classmethod
+    def of_record(cls, record: StepRecord) -> BatchShape:
+        """A step log record's batch (its decodes' contexts spread evenly: it keeps their
+        count, sum and maximum only)."""
+        count, total, longest = record.decodes
+        decodes = [total // count + (i < total % count) for i in range(count)] if count else []
+        if count and longest > decodes[0]:  # the longest one first, the rest evened out
+            rest = total - longest
+            decodes = [longest] + [
+                rest // (count - 1) + (i < rest % (count - 1)) for i in range(count - 1)
+            ]
+        prefills = [(n, c) for n, c in record.prefills]
+        return cls(prefills, decodes, record.sampled, record.running, record.waiting)
+
     @property
     def num_tokens(self) -> int:
         return sum(n for n, _ in self.prefills) + len(self.decodes)
@@ -288,8 +302,13 @@ class FittedCostModel(DeviceOnlyModel):
 
     @classmethod
     def from_json(cls, path: str | Path) -> FittedCostModel:
+        text = Path(path).read_text()
+        if text.startswith(f'{{"format": "{STEP_LOG_FORMAT}"'):
+            records = read_step_log(path).steps
+            steps = [(BatchShape.of_record(r), r.host + r.wait) for r in records if r.num_tokens]
+            return cls.fit(steps)
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(data, dict):
@@ -312,17 +331,7 @@ class FittedCostModel(DeviceOnlyModel):
                         f"[context, ...] and seconds ({type(e).__name__}: {e})"
                     ) from None
             return cls.fit(samples)
-        if data.get("format") == STEP_LOG_FORMAT:
-            records = read_step_log(data, path).steps
-            return cls.fit([(_shape(r), r.host + r.wait) for r in records if r.num_tokens])
         raise ValueError(f"{path}: expected 'coefficients', 'samples' or an engine step log")
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"coefficients": self.coefficients}, indent=2))
-
-
-def _shape(record: StepRecord) -> BatchShape:
-    """A step record's batch (its decodes' contexts spread evenly: only their sum counts)."""
-    count, total, _ = record.decodes
-    decodes = [total // count + (i < total % count) for i in range(count)] if count else []
-    return BatchShape([tuple(p) for p in record.prefills], decodes, record.sampled)

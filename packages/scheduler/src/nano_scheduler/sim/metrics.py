@@ -227,10 +227,13 @@ def _mean(values) -> float:
 
 
 def format_summary(summary: dict) -> str:
-    """A human-readable table of ``SimResult.summary()``."""
+    """A human-readable table of ``summarize`` (and of ``SimResult.summary()``'s extras)."""
+    counts = [f"{summary['requests']} finished"]
+    counts += [f"{summary[k]} {k}" for k in ("rejected", "failed") if k in summary]
+    steps = f" in {summary['steps']} steps" if "steps" in summary else ""
     lines = [
-        f"requests            {summary['requests']} finished, {summary['rejected']} rejected",
-        f"duration            {summary['duration_s']:.3f} s in {summary['steps']} steps",
+        f"requests            {', '.join(counts)}",
+        f"duration            {summary['duration_s']:.3f} s{steps}",
         f"throughput          {summary['input_tok_per_s']:,.0f} input tok/s, "
         f"{summary['output_tok_per_s']:,.0f} output tok/s, "
         f"{summary['total_tok_per_s']:,.0f} total tok/s",
@@ -244,16 +247,19 @@ def format_summary(summary: dict) -> str:
         ("queueing_s", "queueing"),
     ):
         row = summary[key]
+        if all(math.isnan(row[k]) for k in ("mean", "p50", "p90", "p99")):
+            continue
         lines.append(
             f"{name + ' (ms)':20}"
             + "".join(f"{row[k] * 1e3:10.1f}" for k in ("mean", "p50", "p90", "p99"))
         )
-    lines.append(
-        f"preemptions         {summary['preemptions']}; prefix-cache hit rate "
-        f"{summary['prefix_hit_rate']:.1%}; KV usage mean {summary['kv_usage']['mean']:.1%}, "
-        f"max {summary['kv_usage']['max']:.1%}; batch size mean "
-        f"{summary['batch_size']['mean']:.1f}, max {summary['batch_size']['max']}"
-    )
+    if "preemptions" in summary:
+        lines.append(
+            f"preemptions         {summary['preemptions']}; prefix-cache hit rate "
+            f"{summary['prefix_hit_rate']:.1%}; KV usage mean {summary['kv_usage']['mean']:.1%}, "
+            f"max {summary['kv_usage']['max']:.1%}; batch size mean "
+            f"{summary['batch_size']['mean']:.1f}, max {summary['batch_size']['max']}"
+        )
     return "\n".join(lines)
 
 

@@ -176,34 +176,42 @@ class StepLog:
     requests: list[RequestTiming]
     device: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
-        return {
-            "format": STEP_LOG_FORMAT,
-            "version": VERSION,
-            "device": self.device,
-            "steps": [s.to_dict() for s in self.steps],
-            "requests": [asdict(r) for r in self.requests],
-        }
 
-
-def read_step_log(data: Any, path: str | Path = "step log") -> StepLog:
-    """A step log from its JSON (``ValueError`` naming the file and the problem)."""
-    if not isinstance(data, dict) or data.get("format") != STEP_LOG_FORMAT:
-        raise ValueError(f"{path}: not a {STEP_LOG_FORMAT} file")
-    if data.get("version") != VERSION:
-        raise ValueError(f"{path}: step log version {data.get('version')!r} is not {VERSION}")
+def read_step_log(path: str | Path) -> StepLog:
+    """A step log written by the engine (JSON lines: a header, then steps and requests);
+    ``ValueError`` naming the file, the line and the problem."""
+    path = Path(path)
     try:
-        steps = [
-            StepRecord.from_dict(s, f"steps[{i}]") for i, s in enumerate(_list(data, "steps", ""))
-        ]
-        requests = [
-            RequestTiming.from_dict(r, f"requests[{i}]")
-            for i, r in enumerate(_list(data, "requests", "", []))
-        ]
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    device = data.get("device") if isinstance(data.get("device"), dict) else {}
-    return StepLog(steps, requests, device)
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the step log {path}: {e.strerror or e}") from None
+    log = StepLog([], [])
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e.msg}): truncated?") from None
+        if number == 1:
+            if not isinstance(item, dict) or item.get("format") != STEP_LOG_FORMAT:
+                raise ValueError(f"{path}: not a {STEP_LOG_FORMAT} file")
+            if item.get("version") != VERSION:
+                raise ValueError(
+                    f"{path}: step log version {item.get('version')!r} is not {VERSION}"
+                )
+            log.device = item.get("device") if isinstance(item.get("device"), dict) else {}
+            continue
+        where = f"{path}:{number}"
+        if isinstance(item, dict) and "step" in item:
+            log.steps.append(StepRecord.from_dict(item["step"], f"{where}: step"))
+        elif isinstance(item, dict) and "request" in item:
+            log.requests.append(RequestTiming.from_dict(item["request"], f"{where}: request"))
+        else:
+            raise ValueError(f"{where}: expected a step or a request")
+    if not lines:
+        raise ValueError(f"{path} is empty")
+    return log
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""The loop's host time on real workloads: the second part of a profile.
+
+The engine's own loop runs synthetic workloads with its step log on: small and large decode
+batches, admissions beside running decodes, prompts of many lengths. ``offline`` submits them
+as ``LLM.generate`` does; ``server`` sends them through the real HTTP server (in a thread of
+this process, as ``nano-engine serve`` runs it beside the loop) from client processes that
+stream every token, and also yields each request's ingress (client send to engine accept) and
+egress (first token published to first token received).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import sys
+import threading
+import time
+from dataclasses import replace
+
+from nano_engine.replay import Target, replay
+from nano_scheduler import SamplingParams
+from nano_scheduler.sim.profile import StepRecord
+from nano_scheduler.sim.workload import Request
+
+
+class Workloads:
+    """The synthetic workloads, sized to the engine (``quick``: short ones)."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int, quick: bool) -> None:
+        self.max_num_seqs, self.quick = max_num_seqs, quick
+        self.longest = max(2, min(4096, max_model_len // 2))
+        self.vocab = min(vocab, 10_000)
+        self.rng = random.Random(0)
+
+    def sweep(self) -> list[list[Request]]:
+        """Batches of one size each, all at once: decode steps from 1 to max_num_seqs."""
+        sizes = (1, 8) if self.quick else (1, 4, 16, 64)
+        sizes = sorted({n for n in sizes if n < self.max_num_seqs} | {self.max_num_seqs})
+        prompt, output = min(128, self.longest), 8 if self.quick else 48
+        return [[Request(0.0, prompt, output) for _ in range(n)] for n in sizes]
+
+    def mixed(self, rate: float | None, count: int) -> list[Request]:
+        """Prompts of log-uniform lengths and outputs of uniform ones, arriving at ``rate``
+        per second (None: all at once): admissions beside running decodes."""
+        rng, now, out = self.rng, 0.0, []
+        for _ in range(count):
+            if rate is not None:
+                now += rng.expovariate(rate)
+            prompt = round(2 ** rng.uniform(4, max(4.0, math.log2(self.longest))))
+            out.append(Request(now, max(1, prompt), rng.randint(4, 32 if self.quick else 160)))
+        return out
+
+
+def offline(engine, work: Workloads, progress) -> list[StepRecord]:
+    """Step records of workloads submitted as ``LLM.generate`` does."""
+    recorder = engine.record_steps()
+    runs = [*work.sweep(), work.mixed(None, 2 * work.max_num_seqs)]
+    for i, requests in enumerate(runs):
+        _generate(engine, requests, work.vocab)
+        progress(i + 1, len(runs))
+    engine.stop_recording()
+    return recorder.steps
+
+
+def _generate(engine, requests: list[Request], vocab: int) -> float:
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+    batch = [
+        engine.make_request(
+            [t % vocab for t in r.token_ids(i, 0)],
+            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+            notify=ready.put,
+            stream_deltas=False,
+        )
+        for i, r in enumerate(requests)
+    ]
+    start = time.perf_counter()
+    engine.submit(batch)
+    remaining = len(batch)
+    while remaining:
+        stream = ready.get()
+        while (out := stream.get_nowait()) is not None:
+            remaining -= out.finished
+    return time.perf_counter() - start
+
+
+def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
+    """Step records of workloads sent through the HTTP server by streaming clients, and the
+    server's costs: ingress and egress samples, the first request's extra time."""
+    import uvicorn
+
+    from nano_engine.parallel import free_port
+    from nano_engine.server import build_app
+
+    port = free_port()
+    app = build_app(engine, "profile", max_queue=1 << 30)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    http = uvicorn.Server(config)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # as nano-engine serve sets it
+    thread = threading.Thread(target=http.run, name="profile-server", daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            if not thread.is_alive():
+                raise RuntimeError("the profile's HTTP server did not start")
+            time.sleep(0.05)
+        target = Target(f"http://127.0.0.1:{port}", "profile", vocab=work.vocab)
+        recorder = engine.record_steps()
+        replays = []
+
+        def send(requests: list[Request], processes: int = 4):
+            ids = replace(target, request_ids=f"profile{len(replays)}")
+            replays.append(replay(ids, requests, processes=min(processes, len(requests))))
+            progress(len(replays), 6 + len(sweep))
+            return replays[-1]
+
+        one = [Request(0.0, min(128, work.longest), 8)]
+        sweep = work.sweep()
+        cold, *warm = send(one), send(one), send(one)
+        for requests in sweep:
+            busy = send(requests)
+        # Arrivals at about 70% of what the engine just served, then far above it.
+        served = len(busy.records) / max(1e-3, max(r.times[-1] for r in busy.records) - busy.start)
+        count = (2 if work.quick else 4) * work.max_num_seqs
+        for rate in (0.7 * served, 3 * served):
+            send(work.mixed(rate, count))
+        engine.stop_recording()
+    finally:
+        http.should_exit = True
+        thread.join(timeout=30)
+        sys.setswitchinterval(switch)
+    failed = [r.error for run in replays for r in run.failures]
+    if failed:
+        raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
+    costs = _server_costs(recorder, replays)
+    ttft = min(r.times[0] - r.sent for run in warm for r in run.records)
+    costs["first_request_s"] = max(0.0, cold.records[0].times[0] - cold.records[0].sent - ttft)
+    return recorder.steps, costs
+
+
+def _server_costs(recorder, replays) -> dict:
+    """Ingress (prompt tokens, client send -> engine accept) and egress (outputs published
+    with it, first token published -> received) of every request of the replays, matched
+    with the step log by request id."""
+    timings = {t.id: t for t in recorder.requests}
+    ingress, egress = [], []
+    for k, run in enumerate(replays):
+        for client in run.records:
+            timing = timings.get(f"profile{k}-{client.index}-0")
+            if timing is None:
+                raise RuntimeError(f"request {client.index} of workload {k} is not in the step log")
+            ingress.append([client.prompt_tokens, max(0.0, timing.arrival - client.sent)])
+            if timing.first_token is not None and timing.first_step is not None:
+                outputs = recorder.steps[timing.first_step].outputs
+                egress.append([outputs, max(0.0, client.times[0] - timing.first_token)])
+    return {"ingress": ingress, "egress": egress}
