@@ -77,21 +77,48 @@ class Replay:
     def failures(self) -> list[ClientRecord]:
         return [r for r in self.records if r.error is not None or not r.times]
 
+    def lateness(self, requests: list[Request]) -> list[float]:
+        """How late each request was sent, in workload order (a busy client is late)."""
+        return [r.sent - self.start - requests[r.index].arrival_time for r in self.records]
+
+
+def client_pool(processes: int = 4):
+    """Client processes for ``replay``, started and ready (their imports done): several
+    replays may share them, as they take seconds to start on a busy machine."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(processes + 1)
+    pool = context.Pool(processes, initializer=_ready, initargs=(ready,))
+    ready.wait(timeout=120)
+    return pool
+
+
+def _ready(barrier) -> None:
+    import httpx  # noqa: F401  (the first request must not wait for it)
+
+    barrier.wait()
+
 
 def replay(
-    target: Target, requests: list[Request], processes: int = 4, delay: float = 2.0
+    target: Target,
+    requests: list[Request],
+    processes: int = 4,
+    delay: float = 0.5,
+    pool=None,
 ) -> Replay:
     """Send every request at ``start + arrival_time`` (start: ``delay`` seconds from now, once
-    the client processes are up) from ``processes`` processes."""
+    the client processes are up) from ``processes`` processes (of ``pool``, else new ones)."""
     if not requests:
         raise ValueError("the workload is empty")
+    if pool is None:
+        with client_pool(processes) as own:
+            return replay(target, requests, processes, delay, own)
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     start = time.monotonic() + delay
     jobs = [(target, requests, part, processes, start) for part in range(processes)]
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(processes) as pool:
-        parts = pool.starmap(_client_process, jobs)
+    parts = pool.starmap(_client_process, jobs)
     wall = time.monotonic() - start
     records = sorted((r for rs, _ in parts for r in rs), key=lambda r: r.index)
     return Replay(records, start, max(cpu for _, cpu in parts) / wall)

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import replace
 
-from nano_engine.replay import Target, replay
+from nano_engine.replay import Target, client_pool, replay
 from nano_scheduler import SamplingParams
 from nano_scheduler.sim.profile import StepRecord
 from nano_scheduler.sim.workload import Request
@@ -29,6 +29,7 @@ class Workloads:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int, quick: bool) -> None:
         self.max_num_seqs, self.quick = max_num_seqs, quick
+        self.served = 0.0  # requests/s of the mixed workload offline (``offline`` sets it)
         self.longest = max(2, min(4096, max_model_len // 2))
         self.vocab = min(vocab, 10_000)
         self.rng = random.Random(0)
@@ -53,12 +54,15 @@ class Workloads:
 
 
 def offline(engine, work: Workloads, progress) -> list[StepRecord]:
-    """Step records of workloads submitted as ``LLM.generate`` does."""
+    """Step records of workloads submitted as ``LLM.generate`` does. Sets ``work.served``:
+    the requests per second of the mixed workload, all submitted at once."""
     recorder = engine.record_steps()
-    runs = [*work.sweep(), work.mixed(None, 2 * work.max_num_seqs)]
+    mixed = work.mixed(None, 2 * work.max_num_seqs)
+    runs = [*work.sweep(), mixed]
     for i, requests in enumerate(runs):
-        _generate(engine, requests, work.vocab)
+        seconds = _generate(engine, requests, work.vocab)
         progress(i + 1, len(runs))
+    work.served = len(mixed) / seconds
     engine.stop_recording()
     return recorder.steps
 
@@ -100,31 +104,26 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     sys.setswitchinterval(0.0005)  # as nano-engine serve sets it
     thread = threading.Thread(target=http.run, name="profile-server", daemon=True)
     thread.start()
+    replays = []
     try:
         while not http.started:
             if not thread.is_alive():
                 raise RuntimeError("the profile's HTTP server did not start")
             time.sleep(0.05)
         target = Target(f"http://127.0.0.1:{port}", "profile", vocab=work.vocab)
-        recorder = engine.record_steps()
-        replays = []
-
-        def send(requests: list[Request], processes: int = 4):
-            ids = replace(target, request_ids=f"profile{len(replays)}")
-            replays.append(replay(ids, requests, processes=min(processes, len(requests))))
-            progress(len(replays), 6 + len(sweep))
-            return replays[-1]
-
-        one = [Request(0.0, min(128, work.longest), 8)]
         sweep = work.sweep()
-        cold, *warm = send(one), send(one), send(one)
-        for requests in sweep:
-            busy = send(requests)
-        # Arrivals at about 70% of what the engine just served, then far above it.
-        served = len(busy.records) / max(1e-3, max(r.times[-1] for r in busy.records) - busy.start)
-        count = (2 if work.quick else 4) * work.max_num_seqs
-        for rate in (0.7 * served, 3 * served):
-            send(work.mixed(rate, count))
+        # The mixed workload arriving at 40% of the rate the engine served it offline (small
+        # batches, admissions beside them), then at twice it (queues, full batches).
+        mixed = [work.mixed(share * work.served, 2 * work.max_num_seqs) for share in (0.4, 2.0)]
+        one = [Request(0.0, min(128, work.longest), 8)]
+        workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
+        recorder = engine.record_steps()
+        with client_pool(4) as clients:
+            for requests in workloads:
+                ids = replace(target, request_ids=f"profile{len(replays)}")
+                processes = min(4, len(requests))
+                replays.append(replay(ids, requests, processes, pool=clients))
+                progress(len(replays), len(workloads))
         engine.stop_recording()
     finally:
         http.should_exit = True
@@ -134,8 +133,9 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
     costs = _server_costs(recorder, replays)
-    ttft = min(r.times[0] - r.sent for run in warm for r in run.records)
-    costs["first_request_s"] = max(0.0, cold.records[0].times[0] - cold.records[0].sent - ttft)
+    cold, *warm = (run.records[0] for run in replays[:3])
+    ttft = min(r.times[0] - r.sent for r in warm)
+    costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)
     return recorder.steps, costs
 
 

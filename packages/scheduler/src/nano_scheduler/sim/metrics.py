@@ -187,7 +187,7 @@ class SimResult:
             "rejected": [{"request": i, "error": e} for i, e in self.rejected],
             "requests": [r.to_dict() for r in sorted(self.requests, key=lambda r: r.request)],
         }
-        Path(path).write_text(json.dumps(_no_nan(data), indent=2))  # (NaN is not JSON: null)
+        Path(path).write_text(json.dumps(nan_to_none(data), indent=2))  # (NaN is not JSON: null)
 
     def plot(self, path: str | Path) -> None:
         """Latency CDFs (TTFT, ITL, end to end) and KV usage and batch size over time."""
@@ -263,11 +263,12 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _no_nan(value):
+def nan_to_none(value):
+    """A copy of a JSON-able value with NaN as None (NaN is not JSON)."""
     if isinstance(value, float) and value != value:
         return None
     if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
+        return {k: nan_to_none(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_no_nan(v) for v in value]
+        return [nan_to_none(v) for v in value]
     return value

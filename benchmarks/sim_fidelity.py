@@ -1,0 +1,276 @@
+"""How well nano-sim predicts the engine: profile once, replay a trace against the real server,
+simulate the same workload from the profile, compare.
+
+1. ``nano-engine profile MODEL ... --out OUT/profile.json`` (or ``--profile`` to reuse one).
+2. For each scenario: ``nano-engine serve MODEL ... --step-log``, the trace replayed by
+   streaming clients at the scenario's rate (``nano_engine.replay``), the server stopped; then
+   nano-sim on the same trace, rate and engine settings, from the profile alone.
+3. A table ``metric | engine | nano-sim | error`` per scenario: output throughput, and TTFT,
+   TPOT, ITL and end-to-end latency at p50 and p99, with the targets (5% on throughput, 10% on
+   p50s, 20% on p99s); JSON and Markdown in OUT.
+
+Scenarios: ``load`` (the engine keeps up, bursts queue), ``saturated`` (arrivals far above its
+capacity) and ``what-if`` (other scheduler settings on both sides, at the load rate: a profile
+must predict configurations it was not measured with). Rates default to fractions of the
+capacity nano-sim predicts from the profile.
+
+    python benchmarks/sim_fidelity.py benchmarks/configs/qwen3-0.6b.json --limit 1000 \\
+        --out results/fidelity -- --load-format dummy --skip-tokenizer-init --max-model-len 16384
+
+Everything after ``--`` goes to both ``nano-engine profile`` and ``nano-engine serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from nano_engine.parallel import free_port
+from nano_engine.replay import Target, replay
+from nano_scheduler.sim import load_azure_trace, scale_arrivals
+from nano_scheduler.sim.cli import main as nano_sim
+from nano_scheduler.sim.metrics import nan_to_none, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "benchmarks" / "traces" / "azure_llm_2023_conv.csv"
+# (summary key, percentile, allowed relative error)
+METRICS = [
+    ("output_tok_per_s", None, 0.05),
+    ("ttft_s", "p50", 0.10),
+    ("ttft_s", "p99", 0.20),
+    ("tpot_s", "p50", 0.10),
+    ("tpot_s", "p99", 0.20),
+    ("itl_s", "p50", 0.10),
+    ("itl_s", "p99", 0.20),
+    ("e2e_s", "p50", 0.10),
+    ("e2e_s", "p99", 0.20),
+]
+NAMES = {"output_tok_per_s": "output tok/s", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL"}
+
+
+def value(summary: dict, key: str, pct: str | None) -> float:
+    return summary[key] if pct is None else summary[key][pct]
+
+
+def capped_trace(args, path: Path) -> Path:
+    """The trace's first ``--limit`` requests with lengths capped at ``--max-len``, in the
+    trace's own format: both sides read this file."""
+    with open(args.trace, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kept = [r for r in rows if int(r["ContextTokens"]) > 0 and int(r["GeneratedTokens"]) > 0]
+    kept = kept[: args.limit] if args.limit else kept
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for r in kept:
+            prompt = min(int(r["ContextTokens"]), args.max_len)
+            output = min(int(r["GeneratedTokens"]), args.max_len)
+            writer.writerow([r["TIMESTAMP"], prompt, output])
+    return path
+
+
+def simulate(profile: Path, trace: Path, rate_scale: float, out: Path, overrides) -> dict:
+    args = ["--trace", str(trace), "--rate-scale", str(rate_scale), "--profile", str(profile)]
+    args += [*overrides, "--json", str(out)]
+    if nano_sim(args) != 0:
+        raise RuntimeError(f"nano-sim failed: nano-sim {' '.join(args)}")
+    return json.loads(out.read_text())["summary"]
+
+
+def capacity(profile: Path, trace: Path, workdir: Path) -> float:
+    """The rate scale at which nano-sim's engine serves what arrives no more: the output
+    throughput of the trace arriving 1000x faster, over the trace's offered throughput."""
+    requests = load_azure_trace(trace)
+    offered = sum(r.output_len for r in requests) / max(1e-9, requests[-1].arrival_time)
+    saturated = simulate(profile, trace, 1000.0, workdir / "capacity.json", [])
+    return saturated["output_tok_per_s"] / offered
+
+
+class Server:
+    """``nano-engine serve`` in a subprocess on a free port, until stopped."""
+
+    def __init__(self, model: str, engine_args: list[str], log: Path, step_log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log.open("w")
+        command = [sys.executable, "-m", "nano_engine.cli", "-v", "serve", model]
+        command += [
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "sim",
+            "--step-log",
+            str(step_log),
+        ]
+        self.proc = subprocess.Popen(
+            [*command, *engine_args], stdout=self.log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy: see {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
+    workdir = args.out / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    requests = scale_arrivals(load_azure_trace(trace), rate)
+    server = Server(
+        args.model, [*args.engine_args, *overrides], workdir / "server.log", workdir / "steps.jsonl"
+    )
+    try:
+        run = replay(Target(server.url, "sim", vocab=args.vocab, seed=0), requests, args.processes)
+    finally:
+        server.stop()
+    records, gaps = run.nano_sim_records()
+    engine = {**summarize(records, gaps), "failed": len(run.failures)}
+    engine["client_cpu_share"] = run.cpu_share
+    late = sorted(run.lateness(requests))
+    engine["client_lateness_s"] = {"p50": late[len(late) // 2], "max": late[-1]}
+    if late[-1] > 0.01:
+        print(f"warning: a client sent a request {late[-1] * 1e3:.0f} ms late", flush=True)
+    data = {"summary": engine, "requests": [r.to_dict() for r in records]}
+    (workdir / "engine.json").write_text(json.dumps(nan_to_none(data), indent=1))
+    if run.failures:
+        raise RuntimeError(
+            f"{len(run.failures)} requests failed; the first: {run.failures[0].error}"
+        )
+    sim = simulate(profile, trace, rate, workdir / "nano-sim.json", overrides)
+    rows = []
+    for key, pct, allowed in METRICS:
+        e, s = value(engine, key, pct), value(sim, key, pct)
+        error = s / e - 1 if e and not math.isnan(e) and not math.isnan(s) else math.nan
+        rows.append(
+            {
+                "metric": NAMES.get(key, key.removesuffix("_s")) + (f" {pct}" if pct else ""),
+                "engine": e,
+                "nano-sim": s,
+                "error": error,
+                "allowed": allowed,
+                "met": abs(error) <= allowed,
+            }
+        )
+    return {"scenario": name, "rate_scale": rate, "overrides": overrides, "rows": rows}
+
+
+def fmt(metric: str, v: float) -> str:
+    if math.isnan(v):
+        return "-"
+    return f"{v:,.0f}" if metric.startswith("output") else f"{v * 1e3:,.1f} ms"
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| scenario | metric | engine | nano-sim | error | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for res in results:
+        for row in res["rows"]:
+            mark = "" if row["met"] else " **missed**"
+            lines.append(
+                f"| {res['scenario']} ({res['rate_scale']:.2f}x) | {row['metric']} | "
+                f"{fmt(row['metric'], row['engine'])} | {fmt(row['metric'], row['nano-sim'])} | "
+                f"{row['error']:+.1%} | {row['allowed']:.0%}{mark} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    engine_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "model", help="checkpoint directory, or a config.json (with --load-format dummy after --)"
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for the results")
+    p.add_argument("--trace", type=Path, default=TRACE, help="an Azure-format trace CSV")
+    p.add_argument("--limit", type=int, default=1000, help="the trace's first N requests (0: all)")
+    p.add_argument("--max-len", type=int, default=1 << 30, help="cap prompt and output lengths")
+    p.add_argument("--profile", type=Path, help="reuse this profile instead of profiling")
+    p.add_argument("--quick", action="store_true", help="profile with a small grid (CPU, tests)")
+    p.add_argument("--load-rate", type=float, help="rate scale of the load scenario")
+    p.add_argument("--saturated-rate", type=float, help="rate scale of the saturated one")
+    p.add_argument(
+        "--what-if",
+        default="--max-num-batched-tokens 4096 --max-num-seqs 64",
+        help="engine options of the what-if scenario, on both sides",
+    )
+    p.add_argument("--scenarios", default="load,saturated,what-if")
+    p.add_argument("--vocab", type=int, default=10_000, help="prompt ids below this")
+    p.add_argument("--processes", type=int, default=4, help="client processes")
+    args = p.parse_args(argv)
+    args.engine_args = engine_args
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = args.profile
+    if profile is None:
+        profile = args.out / "profile.json"
+        command = [
+            sys.executable,
+            "-m",
+            "nano_engine.cli",
+            "profile",
+            args.model,
+            "--out",
+            str(profile),
+        ]
+        command += ["--quick"] if args.quick else []
+        print("==", " ".join(command[2:] + engine_args), flush=True)
+        subprocess.run([*command, *engine_args], check=True)
+    trace = capped_trace(args, args.out / "trace.csv")
+    scenarios = args.scenarios.split(",")
+    unknown = set(scenarios) - {"load", "saturated", "what-if"}
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}")
+    if args.load_rate is None or args.saturated_rate is None:
+        limit = capacity(profile, trace, args.out)
+        print(f"== nano-sim's capacity: {limit:.2f}x the trace's rate", flush=True)
+    rates = {
+        "load": args.load_rate or 0.6 * limit,
+        "saturated": args.saturated_rate or 3.0 * limit,
+    }
+    rates["what-if"] = rates["load"]
+    results = []
+    for name in scenarios:
+        overrides = args.what_if.split() if name == "what-if" else []
+        print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
+        results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
+        print(table(results[-1:]), flush=True)
+    text = table(results)
+    (args.out / "fidelity.md").write_text(text + "\n")
+    (args.out / "fidelity.json").write_text(json.dumps(nan_to_none(results), indent=2))
+    print("\n" + text)
+    missed = sum(not row["met"] for res in results for row in res["rows"])
+    print(f"\n{missed} of {sum(len(r['rows']) for r in results)} metrics outside their targets")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
