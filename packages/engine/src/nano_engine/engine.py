@@ -406,7 +406,7 @@ class LLMEngine:
         """Schedule and launch a step, then read the previous step's tokens while it runs
         (async scheduling; without it, this step's own tokens). ``schedule=False`` only
         finishes the step in flight. ``clock`` times each phase (the step log's record)."""
-        clock = Phases(self.runner.synchronous)
+        clock = Phases(self.runner.synchronous, cpu=self.recorder is not None)
         previous, self._in_flight = self._in_flight, None
         out = SchedulerOutput()
         if schedule and self.scheduler.has_unfinished():

@@ -19,22 +19,32 @@ from pathlib import Path
 import torch
 
 from nano_scheduler import Scheduler, SchedulerOutput
-from nano_scheduler.sim.profile import STEP_LOG_FORMAT, VERSION, RequestTiming, StepRecord
+from nano_scheduler.sim.profile import (
+    HOST_PHASES,
+    STEP_LOG_FORMAT,
+    VERSION,
+    RequestTiming,
+    StepRecord,
+)
 
 _FLUSH_EVERY = 2.0  # seconds between writes to the file
-_HOST = ("schedule", "launch", "post", "sample", "publish")
+_HOST = HOST_PHASES
 
 
 class Phases:
     """Times one iteration of the loop by phase: ``mark(phase)`` adds the seconds since the
     previous mark to ``phase``. On a synchronous device a call computes before it returns:
-    ``mark(phase, device=name)`` then adds them to the device's ``name`` instead."""
+    ``mark(phase, device=name)`` then adds them to the device's ``name`` instead. With
+    ``cpu``, the loop thread's own CPU seconds of each host phase too (the wall time less what
+    it waited for the GIL, held by the server's event loop, say)."""
 
-    def __init__(self, synchronous: bool) -> None:
+    def __init__(self, synchronous: bool, cpu: bool = False) -> None:
         self.synchronous = synchronous
         self.seconds = dict.fromkeys((*_HOST, "wait", "forward", "sample_device"), 0.0)
+        self.cpu = dict.fromkeys(_HOST, 0.0) if cpu else None
         self.resolved = self.finished = self.outputs = 0  # tokens read, sequences ended, outputs
         self._last = time.perf_counter()
+        self._last_cpu = time.thread_time() if cpu else 0.0
 
     def mark(self, phase: str, device: str | None = None) -> None:
         now = time.perf_counter()
@@ -42,6 +52,11 @@ class Phases:
             phase = device
         self.seconds[phase] += now - self._last
         self._last = now
+        if self.cpu is not None:
+            cpu = time.thread_time()
+            if phase in self.cpu:
+                self.cpu[phase] += cpu - self._last_cpu
+            self._last_cpu = cpu
 
     @property
     def host(self) -> float:
@@ -61,6 +76,8 @@ class Phases:
             self.finished,
             self.outputs,
         )
+        if self.cpu is not None:
+            record.cpu = [self.cpu[phase] for phase in _HOST]
         if self.synchronous:
             record.forward, record.sample_device = (
                 self.seconds["forward"],

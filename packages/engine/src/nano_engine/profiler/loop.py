@@ -118,11 +118,26 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
         one = [Request(0.0, min(128, work.longest), 8)]
         workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
         recorder = engine.record_steps()
+        event_loop = []  # per workload: its counts, and the event loop thread's CPU seconds
+        loop_cpu = time.pthread_getcpuclockid(thread.ident)
         with client_pool(4) as clients:
             for requests in workloads:
                 ids = replace(target, request_ids=f"profile{len(replays)}")
                 processes = min(4, len(requests))
-                replays.append(replay(ids, requests, processes, pool=clients))
+                first, cpu, start = (
+                    len(recorder.steps),
+                    time.clock_gettime(loop_cpu),
+                    time.monotonic(),
+                )
+                run = replay(ids, requests, processes, pool=clients)
+                time.sleep(0.05)  # (the last responses' closing)
+                seconds = time.monotonic() - start
+                cpu = time.clock_gettime(loop_cpu) - cpu
+                publishes = sum(1 for r in recorder.steps[first:] if r.outputs)
+                chunks = sum(len(r.times) for r in run.records)
+                prompt = sum(r.prompt_tokens for r in run.records)
+                event_loop.append([len(requests), prompt, chunks, publishes, seconds, cpu])
+                replays.append(run)
                 progress(len(replays), len(workloads))
         engine.stop_recording()
     finally:
@@ -132,7 +147,7 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     failed = [r.error for run in replays for r in run.failures]
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
-    costs = _server_costs(recorder, replays)
+    costs = {**_server_costs(recorder, replays), "event_loop": event_loop}
     cold, *warm = (run.records[0] for run in replays[:3])
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)

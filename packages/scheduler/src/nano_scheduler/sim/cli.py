@@ -293,7 +293,7 @@ def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
         _setting(args, "prefix_caching", eng.enable_prefix_caching),
         args.seed,
         async_scheduling=_setting(args, "async_scheduling", eng.async_scheduling),
-        frontend=cost if frontend == "server" else None,
+        server=cost.server_costs,
     )
     name = profile.meta.get("model_name", "the model")
     device = profile.device.get("name", profile.device.get("type", "a device"))

@@ -23,6 +23,7 @@ from typing import Any
 FORMAT = "nano-engine-profile"
 STEP_LOG_FORMAT = "nano-engine-step-log"
 VERSION = 1
+HOST_PHASES = ("schedule", "launch", "post", "sample", "publish")  # a step record's, in order
 SAMPLING_KINDS = ("greedy", "random", "top_p", "logprobs", "penalties")
 FRONTENDS = ("offline", "server")
 # The model dimensions a profile is tied to (Hugging Face config.json names).
@@ -69,7 +70,8 @@ class StepRecord:
     checks, detokenization, output objects), ``sample`` (the sampler's inputs and launch, the
     scheduler's advance), ``publish`` (outputs to their streams, statistics). Device:
     ``forward`` (the model, LM head included) and ``sample_device`` of this step's batch,
-    measured when it resolves (None until then, or where not measured).
+    measured when it resolves (None until then, or where not measured). ``cpu``: the loop
+    thread's CPU seconds in each host phase (the wall time less waits for the GIL).
     """
 
     t: float  # start of the iteration (time.monotonic)
@@ -90,6 +92,7 @@ class StepRecord:
     publish: float = 0.0
     forward: float | None = None
     sample_device: float | None = None
+    cpu: list[float] | None = None  # the loop thread's CPU seconds of the five host phases
 
     @property
     def host(self) -> float:
@@ -125,11 +128,16 @@ class StepRecord:
         for name in ("sampled", "running", "waiting", "resolved", "finished", "outputs"):
             setattr(rec, name, _count(data, name, where, 0))
         rec.eager = _bool(data, "eager", where, False)
-        for name in ("schedule", "launch", "wait", "post", "sample", "publish"):
+        for name in (*HOST_PHASES, "wait"):
             setattr(rec, name, _number(data, name, where, 0.0, low=0.0))
         for name in ("forward", "sample_device"):
             if data.get(name) is not None:
                 setattr(rec, name, _number(data, name, where, low=0.0))
+        if data.get("cpu") is not None:
+            cpu = _list(data, "cpu", where)
+            if len(cpu) != 5:
+                raise ValueError(f"{where}.cpu must hold the five host phases' CPU seconds")
+            rec.cpu = [_number(cpu, i, f"{where}.cpu", low=0.0) for i in range(5)]
         return rec
 
 
@@ -237,7 +245,11 @@ class Profile:
     eager: list[GridPoint]  # eager forwards: prefills, mixed steps, decodes
     sampling: dict[str, list[tuple[int, float]]]  # kind -> (rows, seconds)
     host: dict[str, list[StepRecord]]  # frontend -> loop iterations
-    server: dict[str, Any]  # ingress, egress: [[x, seconds], ...]; first_request_s
+    # ingress: [[prompt tokens, seconds], ...] (sent -> accepted); egress: [[outputs published
+    # with it, seconds], ...] (first token published -> received); event_loop: [[requests,
+    # prompt tokens, chunks sent, publishes, seconds, CPU seconds], ...] (the server's event
+    # loop thread, per workload); first_request_s: the first request's extra time.
+    server: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)  # model name, date, version, command
 
     # ---- files -------------------------------------------------------------------------------
@@ -346,10 +358,12 @@ class Profile:
         if not host:
             raise ValueError("host is empty: no step of the loop was measured")
         server = _dict(data, "server", "profile")
-        for name in ("ingress", "egress"):
+        for name, width in (("ingress", 2), ("egress", 2), ("event_loop", 6)):
             for i, p in enumerate(_list(server, name, "server", [])):
-                _number(p, 0, f"server.{name}[{i}]", low=0.0)
-                _number(p, 1, f"server.{name}[{i}]", low=0.0)
+                if not isinstance(p, list) or len(p) != width:
+                    raise ValueError(f"server.{name}[{i}] must be a list of {width} numbers")
+                for j in range(width):
+                    _number(p, j, f"server.{name}[{i}]", low=0.0)
         if server.get("first_request_s") is not None:
             _number(server, "first_request_s", "server", low=0.0)
         meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}

@@ -11,9 +11,11 @@ Device time of a step:
 
 Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negative linear fits
 over the step records the profile measured through the chosen frontend (``offline``: the
-Python API; ``server``: the HTTP server with streaming clients, whose event loop shares the
-GIL with the engine). With the ``server`` frontend, ``ingress`` (request sent to request
-accepted) and ``egress`` (output published to client received) come from the same run.
+Python API, wall seconds; ``server``: the HTTP server with streaming clients, the loop thread's
+own CPU seconds, as the simulator shares the interpreter lock with the server's event loop
+itself). ``server_costs``: the event loop's work per request, prompt token, pass over the
+streams and chunk sent (a fit to its thread's CPU time over the profile's workloads), and the
+network's latency (what the first token of a lone request took beyond them).
 
 No prediction is <= 0. A question far outside the profiled grid gets an answer extrapolated
 from the grid's edge and one warning per kind of question.
@@ -28,7 +30,9 @@ from bisect import bisect_left
 from nano_scheduler.config import cuda_graph_sizes
 from nano_scheduler.sim.cost_model import BatchShape, StepCost
 from nano_scheduler.sim.fit import Piecewise, log_hats, nnls
+from nano_scheduler.sim.host import ServerCosts
 from nano_scheduler.sim.profile import (
+    HOST_PHASES,
     SAMPLING_KINDS,
     GridPoint,
     Profile,
@@ -72,11 +76,8 @@ class ProfiledCostModel:
         self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
         self._eager = EagerModel(profile.eager)
         self._sample = Piecewise(profile.sampling[sampling])
-        self._host = HostModel(profile.host[frontend], engine.block_size)
-        server = profile.server if frontend == "server" else {}
-        self.ingress = _LinearCost(server.get("ingress", []))
-        self.egress = _LinearCost(server.get("egress", []))
-        self.first_request = float(server.get("first_request_s") or 0.0)
+        self._host = HostModel(profile.host[frontend], engine.block_size, cpu=frontend == "server")
+        self.server_costs = server_costs(profile.server) if frontend == "server" else None
 
     # ---- device --------------------------------------------------------------------------
 
@@ -235,17 +236,28 @@ def _geometric(lo: float, hi: float, ratio: float) -> list[float]:
 class HostModel:
     """The loop's host time per phase, each a non-negative linear fit over step records."""
 
-    def __init__(self, records: list[StepRecord], block_size: int) -> None:
+    def __init__(self, records: list[StepRecord], block_size: int, cpu: bool = False) -> None:
+        """``cpu``: fit the loop thread's CPU seconds (where measured), not the wall time."""
         self.block_size = block_size
+        if cpu:
+            records = [r for r in records if r.cpu is not None]
         steps = [r for r in records if r.num_tokens]
         if not steps:
             raise ValueError("the profile's host measurements hold no step")
-        self.schedule = _fit(steps, self._schedule_features, "schedule")
-        self.launch = _fit(steps, self._launch_features, "launch")
-        self.sample = _fit(steps, lambda r: [1.0, r.sampled], "sample")
+        self.cpu = cpu
+        self.schedule = self._fit(steps, self._schedule_features, 0)
+        self.launch = self._fit(steps, self._launch_features, 1)
+        self.sample = self._fit(steps, lambda r: [1.0, r.sampled], 3)
         resolving = [r for r in records if r.resolved]
-        self.post = _fit(resolving or steps, self._post_features, "post")
-        self.publish = _fit(records, lambda r: [1.0, r.outputs], "publish")
+        self.post = self._fit(resolving or steps, self._post_features, 2)
+        self.publish = self._fit(records, lambda r: [1.0, r.outputs], 4)
+
+    def _fit(self, records: list[StepRecord], features, phase: int) -> list[float]:
+        if self.cpu:
+            times = [r.cpu[phase] for r in records]
+        else:
+            times = [getattr(r, HOST_PHASES[phase]) for r in records]
+        return nnls([features(r) for r in records], times)
 
     @staticmethod
     def _schedule_features(r: StepRecord) -> list[float]:
@@ -289,17 +301,18 @@ class HostModel:
         return post, self.publish[0] + self.publish[1] * outputs
 
 
-def _fit(records: list[StepRecord], features, phase: str) -> list[float]:
-    return nnls([features(r) for r in records], [getattr(r, phase) for r in records])
-
-
-class _LinearCost:
-    """seconds = a + b x with a, b >= 0, fitted to [[x, seconds], ...] (zero without data)."""
-
-    def __init__(self, points: list) -> None:
-        self.a = self.b = 0.0
-        if points:
-            self.a, self.b = nnls([[1.0, x] for x, _ in points], [s for _, s in points])
-
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
+def server_costs(server: dict) -> ServerCosts:
+    """The server's event-loop costs from a profile's measurements."""
+    loop = server.get("event_loop") or []
+    if len(loop) < 4:
+        raise ValueError(
+            "the profile lacks the server's event-loop measurements (profiled with "
+            "--no-server?): use --frontend offline, or profile through the server"
+        )
+    # features: requests, prompt tokens, chunks, passes (publications), seconds (idle work)
+    coef = nnls([row[:5] for row in loop], [row[5] for row in loop])
+    request, prompt_token, chunk, publish, _ = coef
+    lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
+    latency = max(0.0, lone[len(lone) // 2] - publish - chunk) if lone else 0.0
+    first = float(server.get("first_request_s") or 0.0)
+    return ServerCosts(request, prompt_token, publish, chunk, latency, first)

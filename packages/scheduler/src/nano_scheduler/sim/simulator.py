@@ -8,17 +8,17 @@ resolves and publishes them, then launches step k's sampling: the device runs st
 host works, and a request that arrives while the device runs step k-1 is admitted by iteration
 k+1, whose step runs after step k. Without it, an iteration runs its own step to the end.
 
-A ``Frontend`` (the HTTP server) adds the time from a client's send to the engine's accepting
-the request (``ingress``) and from an output's publication to the client's receipt
-(``egress``); records are in the client's times. Sampled tokens never stop a request early:
-each produces exactly its output length, as with ignore_eos.
+The loop thread's host work runs through a host (``nano_scheduler.sim.host``): alone (the
+Python API), or beside the HTTP server's event loop (``server``), which takes requests in and
+streams outputs out and shares the interpreter lock with the loop thread; records are then in
+the client's times. Sampled tokens never stop a request early: each produces exactly its
+output length, as with ignore_eos.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from typing import Protocol
 
 from nano_kvcache import BlockManager
 from nano_scheduler.config import SchedulerConfig
@@ -26,24 +26,11 @@ from nano_scheduler.sampling_params import SamplingParams
 from nano_scheduler.scheduler import PendingStep, Scheduler
 from nano_scheduler.sequence import Sequence
 from nano_scheduler.sim.cost_model import BatchShape, CostModel
+from nano_scheduler.sim.host import OfflineHost, ServerCosts, ServerHost
 from nano_scheduler.sim.metrics import RequestRecord, SimResult, Timeline
 from nano_scheduler.sim.workload import Request
 
 _SAMPLED_TOKEN = 1  # what the simulated model emits (requests stop on length, never on a token)
-
-
-class Frontend(Protocol):
-    """What serving through a frontend adds to each request (seconds)."""
-
-    first_request: float  # extra for the first request (a cold path)
-
-    def ingress(self, prompt_tokens: int) -> float:
-        """From the client's send to the engine's accepting the request."""
-        ...
-
-    def egress(self, outputs: int) -> float:
-        """From an output's publication (with ``outputs`` others) to the client's receipt."""
-        ...
 
 
 class Simulator:
@@ -58,7 +45,7 @@ class Simulator:
         seed: int = 0,
         *,
         async_scheduling: bool = True,
-        frontend: Frontend | None = None,
+        server: ServerCosts | None = None,
     ) -> None:
         if not requests:
             raise ValueError("the workload is empty")
@@ -69,73 +56,75 @@ class Simulator:
         self.config = config
         self.seed = seed
         self.async_scheduling = async_scheduling
-        self.frontend = frontend
+        self.server = server
         self.now = 0.0
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, clock=lambda: self.now)
-
-    def _accept_times(self) -> list[float]:
-        """When the engine accepts each request (in ``self.requests`` order)."""
-        fe = self.frontend
-        if fe is None:
-            return [r.arrival_time for r in self.requests]
-        accept = [r.arrival_time + fe.ingress(r.prompt_len) for r in self.requests]
-        accept[0] += fe.first_request
-        return accept
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         """Simulate until every request has finished; ``progress(done, total)`` after each."""
         sched, bm, cost = self.scheduler, self.block_manager, self.cost_model
         total = len(self.requests)
-        accept = self._accept_times()
-        order = sorted(range(total), key=accept.__getitem__)
-        egress = self.frontend.egress if self.frontend is not None else None
-        sync_device, overlap = cost.synchronous, self.async_scheduling
         records: list[RequestRecord] = []
         rejected: list[tuple[int, str]] = []
         itl = array("d")
         first_token: dict[int, float] = {}
         last_token: dict[int, float] = {}
+        ended_seqs: dict[int, Sequence] = {}  # finished, their last output not received yet
+
+        def receive(seq_id: int, when: float, finished: bool) -> None:
+            previous = last_token.get(seq_id)
+            if previous is None:
+                first_token[seq_id] = when
+            else:
+                itl.append(when - previous)
+            last_token[seq_id] = when
+            if finished:
+                seq = ended_seqs.pop(seq_id)
+                records.append(self._record(seq, first_token, when))
+                del last_token[seq_id]
+                if progress is not None:
+                    progress(len(records), total)
+
+        host = ServerHost(self.server, receive) if self.server else OfflineHost(receive)
+        for position, req in enumerate(self.requests):
+            host.send(req.arrival_time, position, req.prompt_len)
         timeline = Timeline()
-        host = device_free = 0.0  # the loop's clock; when the device's queued work ends
+        sync_device, overlap = cost.synchronous, self.async_scheduling
+        t = device_free = 0.0  # the loop thread's clock; when the device's queued work ends
         in_flight: tuple[PendingStep, float] | None = None  # a launched step, its device end
         added = num_steps = 0
         while added < total or sched.has_unfinished() or in_flight is not None:
             if in_flight is None and not sched.has_unfinished():
-                host = max(host, accept[order[added]])  # idle until the next request
-            while added < total and accept[order[added]] <= host:
-                self._add(order[added], rejected)
+                t = host.next_accept(t)  # idle until the next request is in
+            for position in host.accepted(t):
+                self._add(position, rejected)
                 added += 1
-            self.now = t = host
+            self.now = t
             out = sched.schedule() if sched.has_unfinished() else None
-            if out is not None and out.is_empty and not out.finished:
-                out = None
             ended = list(out.finished) if out is not None else []  # no room to go on
             resolved: list[Sequence] = []  # sequences with a token to publish
             done: list[Sequence] = []  # those of them that ended with it
+            step = None
             if out is not None and not out.is_empty:
-                batch = BatchShape.of(out, len(sched.running), len(sched.waiting))
-                step = cost.step_cost(batch)
-                begin = t + step.schedule
-                t = begin + step.launch
-                if sync_device:
-                    t += step.forward
-                    forward_end = t
+                step = cost.step_cost(BatchShape.of(out, len(sched.running), len(sched.waiting)))
+                t = begin = host.cpu(t, step.schedule)
+                t = host.cpu(t, step.launch)
+                if sync_device:  # (the device's work is the thread's, without the lock)
+                    t = forward_end = host.free(t, t + step.forward)
                 else:
                     forward_end = max(max(device_free, begin) + step.forward, t)
-            else:
-                step = None
             if in_flight is not None:  # (async scheduling) the previous step's tokens
                 pending, device_end = in_flight
                 in_flight = None
-                t = max(t, device_end)
+                t = host.free(t, device_end)
                 resolved, done = self._resolve(pending, out)
-                t += cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))[0]
+                post = cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))[0]
+                t = host.cpu(t, post)
             if step is not None:
-                t += step.sample_host
+                t = host.cpu(t, step.sample_host)
                 if sync_device:
-                    t += step.sample
-                    device_end = t
+                    t = device_end = host.free(t, t + step.sample)
                 else:
                     device_end = device_free = max(forward_end, t) + step.sample
                 self.now = t
@@ -144,27 +133,19 @@ class Simulator:
                 if overlap:
                     in_flight = (pending, device_end)
                 else:
-                    t = max(t, device_end)
+                    t = host.free(t, device_end)
                     resolved, done = self._resolve(pending, None)
-                    t += cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))[0]
+                    post = cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))
+                    t = host.cpu(t, post[0])
             outputs = len(resolved) + len(ended)
-            t += cost.resolve_cost(0, 0, outputs)[1]
-            host = t
+            t = host.cpu(t, cost.resolve_cost(0, 0, outputs)[1])
             if outputs:
-                receipt = t + (egress(outputs) if egress is not None else 0.0)
-                for seq in resolved:
-                    sid = seq.seq_id
-                    previous = last_token.get(sid)
-                    if previous is None:
-                        first_token[sid] = receipt
-                    else:
-                        itl.append(receipt - previous)
-                    last_token[sid] = receipt
-                for seq in {s.seq_id: s for s in done + ended}.values():
-                    records.append(self._record(seq, first_token, receipt))
-                    last_token.pop(seq.seq_id, None)
-                    if progress is not None:
-                        progress(len(records), total)
+                for seq in done + ended:
+                    ended_seqs[seq.seq_id] = seq
+                finished = {s.seq_id for s in done} | {s.seq_id for s in ended}
+                streams = {s.seq_id: s.seq_id in finished for s in resolved}
+                streams.update((s.seq_id, True) for s in ended)
+                host.publish(t, list(streams.items()))
             if step is not None:
                 timeline.record(
                     t,
@@ -174,6 +155,7 @@ class Simulator:
                     len(sched.running),
                     len(sched.waiting),
                 )
+        host.drain(t)
         return SimResult(
             records, rejected, itl, timeline, num_steps, sched.num_preemptions, bm.stats().hit_rate
         )
