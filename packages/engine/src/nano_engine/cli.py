@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import sys
+import threading
 import time
 import typing
 from dataclasses import MISSING, fields
@@ -296,8 +297,8 @@ def serve(args: argparse.Namespace) -> int:
     from nano_engine.server import serve as run_server
 
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
-    if args.step_log:
-        engine.record_steps(args.step_log)
+    if args.step_log:  # (the server's event loop runs in this thread)
+        engine.record_steps(args.step_log, watch=threading.main_thread())
     return run_server(
         engine,
         args.served_model_name or args.model,

@@ -315,10 +315,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def record_steps(self, path: str | Path | None = None) -> StepRecorder:
+    def record_steps(
+        self, path: str | Path | None = None, watch: threading.Thread | None = None
+    ) -> StepRecorder:
         """Start a step log: every iteration of the loop and every request from now on, in
-        memory or written to ``path`` (JSON lines, every few seconds and at shutdown)."""
-        self.recorder = StepRecorder(self.runner.device, path)
+        memory or written to ``path`` (JSON lines, every few seconds and at shutdown);
+        ``watch``: a thread whose CPU time to record too (the server's event loop)."""
+        self.recorder = StepRecorder(self.runner.device, path, watch)
         return self.recorder
 
     def stop_recording(self) -> StepRecorder | None:
@@ -406,7 +409,9 @@ class LLMEngine:
         """Schedule and launch a step, then read the previous step's tokens while it runs
         (async scheduling; without it, this step's own tokens). ``schedule=False`` only
         finishes the step in flight. ``clock`` times each phase (the step log's record)."""
-        clock = Phases(self.runner.synchronous, cpu=self.recorder is not None)
+        recorder = self.recorder
+        watch = recorder.watch if recorder is not None else None
+        clock = Phases(self.runner.synchronous, cpu=recorder is not None, watch=watch)
         previous, self._in_flight = self._in_flight, None
         out = SchedulerOutput()
         if schedule and self.scheduler.has_unfinished():

@@ -13,6 +13,7 @@ shutdown, so a long run holds only the last few seconds in memory.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -38,13 +39,15 @@ class Phases:
     ``cpu``, the loop thread's own CPU seconds of each host phase too (the wall time less what
     it waited for the GIL, held by the server's event loop, say)."""
 
-    def __init__(self, synchronous: bool, cpu: bool = False) -> None:
+    def __init__(self, synchronous: bool, cpu: bool = False, watch: int | None = None) -> None:
         self.synchronous = synchronous
         self.seconds = dict.fromkeys((*_HOST, "wait", "forward", "sample_device"), 0.0)
         self.cpu = dict.fromkeys(_HOST, 0.0) if cpu else None
         self.resolved = self.finished = self.outputs = 0  # tokens read, sequences ended, outputs
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time() if cpu else 0.0
+        self._watch = watch  # another thread's CPU clock (the server's event loop)
+        self._watch_start = time.clock_gettime(watch) if watch is not None else 0.0
 
     def mark(self, phase: str, device: str | None = None) -> None:
         now = time.perf_counter()
@@ -78,6 +81,8 @@ class Phases:
         )
         if self.cpu is not None:
             record.cpu = [self.cpu[phase] for phase in _HOST]
+        if self._watch is not None:
+            record.server_cpu = time.clock_gettime(self._watch) - self._watch_start
         if self.synchronous:
             record.forward, record.sample_device = (
                 self.seconds["forward"],
@@ -154,14 +159,23 @@ class StepRecorder:
     """Collects the loop's step records and request timings; writes them to ``path`` (JSON
     lines) when given, else keeps them all (``steps``, ``requests``)."""
 
-    def __init__(self, device: torch.device, path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        path: str | Path | None = None,
+        watch: threading.Thread | None = None,
+    ) -> None:
+        """``watch``: a thread whose CPU time each iteration records (the server's event
+        loop, which competes with the loop thread for the GIL)."""
         self.device = device
+        self.watch = time.pthread_getcpuclockid(watch.ident) if watch is not None else None
         self.cuda = device.type == "cuda"
         self.path = Path(path) if path is not None else None
         self.steps: list[StepRecord] = []
         self.requests: list[RequestTiming] = []
         self._open: dict[str, RequestTiming] = {}  # requests not finished yet
         self._begun = 0  # iterations begun since the start (written ones too)
+        self._accepted = [0, 0]  # requests taken in since the last iteration began, and tokens
         self._flushed = time.monotonic()
         if self.path is not None:
             device = describe_device(device)
@@ -174,8 +188,11 @@ class StepRecorder:
         """A record for the iteration that scheduled ``out`` (it may be empty); ``end`` it once
         complete (its step's device times known), in the order begun."""
         self._begun += 1
+        (accepted, tokens), self._accepted = self._accepted, [0, 0]
         decodes = [len(s.token_ids) for s in out.decodes]
         return StepRecord(
+            accepted=accepted,
+            accepted_tokens=tokens,
             t=time.monotonic(),
             prefills=[[c.num_tokens, c.start] for c in out.prefills],
             decodes=[len(decodes), sum(decodes), max(decodes, default=0)],
@@ -192,6 +209,8 @@ class StepRecorder:
 
     def accepted(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
         self._open[request_id] = RequestTiming(request_id, arrival, prompt_tokens)
+        self._accepted[0] += 1
+        self._accepted[1] += prompt_tokens
 
     def published(
         self, request_id: str, tokens: int, finished: bool, first_scheduled: float | None

@@ -117,7 +117,7 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
         mixed = [work.mixed(share * work.served, 2 * work.max_num_seqs) for share in (0.4, 2.0)]
         one = [Request(0.0, min(128, work.longest), 8)]
         workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
-        recorder = engine.record_steps()
+        recorder = engine.record_steps(watch=thread)
         event_loop = []  # per workload: its counts, and the event loop thread's CPU seconds
         loop_cpu = time.pthread_getcpuclockid(thread.ident)
         with client_pool(4) as clients:
@@ -147,7 +147,7 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     failed = [r.error for run in replays for r in run.failures]
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
-    costs = {**_server_costs(recorder, replays), "event_loop": event_loop}
+    costs = _server_costs(recorder, replays)
     cold, *warm = (run.records[0] for run in replays[:3])
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)

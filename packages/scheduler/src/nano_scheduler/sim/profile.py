@@ -71,7 +71,8 @@ class StepRecord:
     scheduler's advance), ``publish`` (outputs to their streams, statistics). Device:
     ``forward`` (the model, LM head included) and ``sample_device`` of this step's batch,
     measured when it resolves (None until then, or where not measured). ``cpu``: the loop
-    thread's CPU seconds in each host phase (the wall time less waits for the GIL).
+    thread's CPU seconds in each host phase (the wall time less waits for the GIL);
+    ``server_cpu``: the CPU seconds of the server's event loop thread during the iteration.
     """
 
     t: float  # start of the iteration (time.monotonic)
@@ -84,6 +85,8 @@ class StepRecord:
     resolved: int = 0  # tokens of the previous step read this iteration
     finished: int = 0  # sequences that finished this iteration
     outputs: int = 0  # request outputs published
+    accepted: int = 0  # requests taken in before the iteration
+    accepted_tokens: int = 0  # their prompt tokens
     schedule: float = 0.0
     launch: float = 0.0
     wait: float = 0.0
@@ -93,6 +96,7 @@ class StepRecord:
     forward: float | None = None
     sample_device: float | None = None
     cpu: list[float] | None = None  # the loop thread's CPU seconds of the five host phases
+    server_cpu: float | None = None  # the server's event loop thread's, meanwhile
 
     @property
     def host(self) -> float:
@@ -125,12 +129,20 @@ class StepRecord:
         if len(dec) != 3:
             raise ValueError(f"{where}.decodes must be [count, context sum, context max]")
         rec.decodes = [_count(dec, i, f"{where}.decodes") for i in range(3)]
-        for name in ("sampled", "running", "waiting", "resolved", "finished", "outputs"):
+        for name in (
+            "sampled",
+            "running",
+            "waiting",
+            "resolved",
+            "finished",
+            "outputs",
+            "accepted",
+        ):
             setattr(rec, name, _count(data, name, where, 0))
         rec.eager = _bool(data, "eager", where, False)
         for name in (*HOST_PHASES, "wait"):
             setattr(rec, name, _number(data, name, where, 0.0, low=0.0))
-        for name in ("forward", "sample_device"):
+        for name in ("forward", "sample_device", "server_cpu"):
             if data.get(name) is not None:
                 setattr(rec, name, _number(data, name, where, low=0.0))
         if data.get("cpu") is not None:
@@ -246,9 +258,8 @@ class Profile:
     sampling: dict[str, list[tuple[int, float]]]  # kind -> (rows, seconds)
     host: dict[str, list[StepRecord]]  # frontend -> loop iterations
     # ingress: [[prompt tokens, seconds], ...] (sent -> accepted); egress: [[outputs published
-    # with it, seconds], ...] (first token published -> received); event_loop: [[requests,
-    # prompt tokens, chunks sent, publishes, seconds, CPU seconds], ...] (the server's event
-    # loop thread, per workload); first_request_s: the first request's extra time.
+    # with it, seconds], ...] (first token published -> received); first_request_s: the first
+    # request's extra time. (The event loop's CPU time is in the server's step records.)
     server: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)  # model name, date, version, command
 
@@ -358,7 +369,7 @@ class Profile:
         if not host:
             raise ValueError("host is empty: no step of the loop was measured")
         server = _dict(data, "server", "profile")
-        for name, width in (("ingress", 2), ("egress", 2), ("event_loop", 6)):
+        for name, width in (("ingress", 2), ("egress", 2)):
             for i, p in enumerate(_list(server, name, "server", [])):
                 if not isinstance(p, list) or len(p) != width:
                     raise ValueError(f"server.{name}[{i}] must be a list of {width} numbers")

@@ -77,7 +77,9 @@ class ProfiledCostModel:
         self._eager = EagerModel(profile.eager)
         self._sample = Piecewise(profile.sampling[sampling])
         self._host = HostModel(profile.host[frontend], engine.block_size, cpu=frontend == "server")
-        self.server_costs = server_costs(profile.server) if frontend == "server" else None
+        self.server_costs = (
+            server_costs(profile.host["server"], profile.server) if frontend == "server" else None
+        )
 
     # ---- device --------------------------------------------------------------------------
 
@@ -301,17 +303,34 @@ class HostModel:
         return post, self.publish[0] + self.publish[1] * outputs
 
 
-def server_costs(server: dict) -> ServerCosts:
-    """The server's event-loop costs from a profile's measurements."""
-    loop = server.get("event_loop") or []
-    if len(loop) < 4:
+def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
+    """The server's event-loop costs, fitted to its thread's CPU time per iteration of the
+    engine's loop (summed over windows of iterations: a request's handling and a pass over the
+    streams may straddle iterations). A pass follows each publication of outputs; requests
+    are handled before the engine takes them in."""
+    if not any(r.server_cpu is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
             "--no-server?): use --frontend offline, or profile through the server"
         )
-    # features: requests, prompt tokens, chunks, passes (publications), seconds (idle work)
-    coef = nnls([row[:5] for row in loop], [row[5] for row in loop])
-    request, prompt_token, chunk, publish, _ = coef
+    rows, cpu = [], []
+    window = 16
+    for start in range(1, len(records) - window, window):
+        part = records[start : start + window]
+        if any(r.server_cpu is None for r in part):
+            continue
+        previous = records[start - 1 : start + window - 1]  # (the publications a pass follows)
+        rows.append(
+            [
+                sum(r.accepted for r in part),
+                sum(r.accepted_tokens for r in part),
+                sum(1 for r in previous if r.outputs),
+                sum(r.outputs for r in previous),
+                sum(r.host + r.wait for r in part),  # (the loop's own idle work)
+            ]
+        )
+        cpu.append(sum(r.server_cpu for r in part))
+    request, prompt_token, publish, chunk, _ = nnls(rows, cpu)
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
     latency = max(0.0, lone[len(lone) // 2] - publish - chunk) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
