@@ -536,7 +536,8 @@ class LLMEngine:
         for i in sorted(indices):
             seq, detok = request.seqs[i], request.detokenizers[i]
             done = seq.is_finished
-            new_ids = seq.output_token_ids[request.sent_tokens[i] :]
+            # (a slice of the new tokens only: output_token_ids would copy every output token)
+            new_ids = seq.token_ids[seq.num_prompt_tokens + request.sent_tokens[i] :]
             new_logprobs = (
                 request.logprobs[i][request.sent_tokens[i] :]
                 if request.params.logprobs is not None

@@ -35,21 +35,29 @@ class Workloads:
         self.rng = random.Random(0)
 
     def sweep(self) -> list[list[Request]]:
-        """Batches of one size each, all at once: decode steps from 1 to max_num_seqs."""
+        """Batches of one size each, all at once: decode steps from 1 to max_num_seqs, after
+        prompts of several lengths."""
         sizes = (1, 8) if self.quick else (1, 4, 16, 64)
         sizes = sorted({n for n in sizes if n < self.max_num_seqs} | {self.max_num_seqs})
-        prompt, output = min(128, self.longest), 8 if self.quick else 48
-        return [[Request(0.0, prompt, output) for _ in range(n)] for n in sizes]
+        prompts = [min(p, self.longest) for p in (2048, 128, 1024, 512, 256)]
+        output = 8 if self.quick else 48
+        return [
+            [Request(0.0, prompts[i % len(prompts)], output) for _ in range(n)]
+            for i, n in enumerate(sizes)
+        ]
 
-    def mixed(self, rate: float | None, count: int) -> list[Request]:
-        """Prompts of log-uniform lengths and outputs of uniform ones, arriving at ``rate``
-        per second (None: all at once): admissions beside running decodes."""
+    def mixed(self, rate: float | None, count: int, outputs: int = 160) -> list[Request]:
+        """Prompts and outputs of log-uniform lengths (outputs up to ``outputs`` tokens),
+        arriving at ``rate`` per second (None: all at once): admissions beside decodes of
+        many context lengths."""
         rng, now, out = self.rng, 0.0, []
+        longest_output = min(32 if self.quick else outputs, self.longest)
         for _ in range(count):
             if rate is not None:
                 now += rng.expovariate(rate)
             prompt = round(2 ** rng.uniform(4, max(4.0, math.log2(self.longest))))
-            out.append(Request(now, max(1, prompt), rng.randint(4, 32 if self.quick else 160)))
+            output = round(2 ** rng.uniform(2, max(2.0, math.log2(longest_output))))
+            out.append(Request(now, max(1, prompt), max(1, output)))
         return out
 
 
@@ -105,6 +113,7 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     thread = threading.Thread(target=http.run, name="profile-server", daemon=True)
     thread.start()
     replays = []
+    spans = []  # [first step, end step, requests, prompt tokens, event loop CPU seconds]
     try:
         while not http.started:
             if not thread.is_alive():
@@ -113,31 +122,27 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
         target = Target(f"http://127.0.0.1:{port}", "profile", vocab=work.vocab)
         sweep = work.sweep()
         # The mixed workload arriving at 40% of the rate the engine served it offline (small
-        # batches, admissions beside them), then at twice it (queues, full batches).
-        mixed = [work.mixed(share * work.served, 2 * work.max_num_seqs) for share in (0.4, 2.0)]
+        # batches, admissions beside them), then long outputs at twice it (queues, full
+        # batches of long contexts).
+        count = 2 * work.max_num_seqs
+        mixed = [work.mixed(0.4 * work.served, count), work.mixed(2 * work.served, count, 1024)]
         one = [Request(0.0, min(128, work.longest), 8)]
         workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
+        # The server's event loop runs in ``thread``: its CPU time during each iteration is in
+        # the step records, and over each whole workload (requests are taken in between
+        # iterations too) in ``spans``.
         recorder = engine.record_steps(watch=thread)
-        event_loop = []  # per workload: its counts, and the event loop thread's CPU seconds
         loop_cpu = time.pthread_getcpuclockid(thread.ident)
         with client_pool(4) as clients:
             for requests in workloads:
                 ids = replace(target, request_ids=f"profile{len(replays)}")
                 processes = min(4, len(requests))
-                first, cpu, start = (
-                    len(recorder.steps),
-                    time.clock_gettime(loop_cpu),
-                    time.monotonic(),
-                )
-                run = replay(ids, requests, processes, pool=clients)
-                time.sleep(0.05)  # (the last responses' closing)
-                seconds = time.monotonic() - start
+                first, cpu = len(recorder.steps), time.clock_gettime(loop_cpu)
+                replays.append(replay(ids, requests, processes, pool=clients))
+                time.sleep(0.05)  # (the last responses close)
                 cpu = time.clock_gettime(loop_cpu) - cpu
-                publishes = sum(1 for r in recorder.steps[first:] if r.outputs)
-                chunks = sum(len(r.times) for r in run.records)
-                prompt = sum(r.prompt_tokens for r in run.records)
-                event_loop.append([len(requests), prompt, chunks, publishes, seconds, cpu])
-                replays.append(run)
+                prompt = sum(r.prompt_tokens for r in replays[-1].records)
+                spans.append([first, len(recorder.steps), len(requests), prompt, cpu])
                 progress(len(replays), len(workloads))
         engine.stop_recording()
     finally:
@@ -147,7 +152,7 @@ def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
     failed = [r.error for run in replays for r in run.failures]
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
-    costs = _server_costs(recorder, replays)
+    costs = {**_server_costs(recorder, replays), "workloads": spans}
     cold, *warm = (run.records[0] for run in replays[:3])
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)

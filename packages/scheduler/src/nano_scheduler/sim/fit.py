@@ -100,6 +100,19 @@ def _solve_subset(ata: list[list[float]], atb: list[float], cols: list[int]) -> 
     return out
 
 
+def increasing(points: Sequence[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """The non-decreasing fit (least squares, weighted) to (x, y, weight) points, x ascending:
+    pool adjacent violators. Each pooled run becomes one point at its weighted mean x."""
+    runs: list[list[float]] = []  # [sum w*x, sum w*y, sum w]
+    for x, y, w in points:
+        runs.append([w * x, w * y, w])
+        while len(runs) > 1 and runs[-2][1] / runs[-2][2] > runs[-1][1] / runs[-1][2]:
+            last = runs.pop()
+            for i in range(3):
+                runs[-1][i] += last[i]
+    return [(wx / w, wy / w) for wx, wy, w in runs]
+
+
 class Piecewise:
     """y(x) through measured points, linear in between; flat below the first point and, past
     the last, the last segment's slope (never decreasing). ``x`` must be distinct."""

@@ -20,6 +20,9 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+
+from nano_scheduler.sim.fit import Piecewise
 
 Receive = Callable[[int, float, bool], None]  # (seq_id, time, finished)
 
@@ -59,16 +62,23 @@ class OfflineHost:
 
 @dataclass(frozen=True)
 class ServerCosts:
-    """The event loop's CPU seconds: per request (and prompt token) received, per pass over the
-    streams and per stream in it; ``latency``: the network's, each way; ``first_request``: the
-    first request's extra handling (a cold path)."""
+    """The event loop's CPU seconds: per request (and prompt token) received, and of a pass
+    over ``n`` streams with new outputs (``passes``: measured (n, seconds), interpolated);
+    ``latency``: the network's, each way; ``first_request``: the first request's extra
+    handling (a cold path)."""
 
     request: float
     prompt_token: float
-    publish: float
-    chunk: float
+    passes: tuple[tuple[float, float], ...]
     latency: float = 0.0
     first_request: float = 0.0
+
+    @cached_property
+    def _passes(self) -> Piecewise:
+        return Piecewise(self.passes)
+
+    def pass_seconds(self, streams: int) -> float:
+        return self._passes(streams)
 
 
 class _Item:
@@ -183,9 +193,9 @@ class ServerHost:
             streams = _Streams(item.streams)
             while p and p[0].available <= self.t:
                 streams.merge(p.popleft().streams)
-            c = self.costs
-            item.work = c.publish + c.chunk * len(streams)
-            item.marks = [c.chunk * (len(streams) - 1 - i) for i in range(len(streams))]
+            n = len(streams)
+            item.work = self.costs.pass_seconds(n)
+            item.marks = [item.work * (n - 1 - i) / n for i in range(n)]
             item.streams = streams
         self._current = item
         return item

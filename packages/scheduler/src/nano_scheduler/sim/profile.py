@@ -258,8 +258,10 @@ class Profile:
     sampling: dict[str, list[tuple[int, float]]]  # kind -> (rows, seconds)
     host: dict[str, list[StepRecord]]  # frontend -> loop iterations
     # ingress: [[prompt tokens, seconds], ...] (sent -> accepted); egress: [[outputs published
-    # with it, seconds], ...] (first token published -> received); first_request_s: the first
-    # request's extra time. (The event loop's CPU time is in the server's step records.)
+    # with it, seconds], ...] (first token published -> received); workloads: [[first step,
+    # end step (of host["server"]), requests, prompt tokens, the event loop thread's CPU
+    # seconds], ...]; first_request_s: the first request's extra time. (The event loop's CPU
+    # time during each iteration is in the server's step records.)
     server: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)  # model name, date, version, command
 
@@ -369,7 +371,7 @@ class Profile:
         if not host:
             raise ValueError("host is empty: no step of the loop was measured")
         server = _dict(data, "server", "profile")
-        for name, width in (("ingress", 2), ("egress", 2)):
+        for name, width in (("ingress", 2), ("egress", 2), ("workloads", 5)):
             for i, p in enumerate(_list(server, name, "server", [])):
                 if not isinstance(p, list) or len(p) != width:
                     raise ValueError(f"server.{name}[{i}] must be a list of {width} numbers")

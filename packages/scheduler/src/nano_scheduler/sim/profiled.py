@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 import warnings
 from bisect import bisect_left
+from itertools import pairwise
 
 from nano_scheduler.config import cuda_graph_sizes
 from nano_scheduler.sim.cost_model import BatchShape, StepCost
-from nano_scheduler.sim.fit import Piecewise, log_hats, nnls
+from nano_scheduler.sim.fit import Piecewise, increasing, log_hats, nnls
 from nano_scheduler.sim.host import ServerCosts
 from nano_scheduler.sim.profile import (
     HOST_PHASES,
@@ -304,34 +305,39 @@ class HostModel:
 
 
 def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
-    """The server's event-loop costs, fitted to its thread's CPU time per iteration of the
-    engine's loop (summed over windows of iterations: a request's handling and a pass over the
-    streams may straddle iterations). A pass follows each publication of outputs; requests
-    are handled before the engine takes them in."""
+    """The server's event-loop costs, from its thread's CPU time during each iteration of the
+    engine's loop. A pass over the streams follows each publication of outputs: its cost by
+    the number of streams is the mean over iterations that took no request in, in bins of
+    the number (it grows faster than linearly: caches). A request's handling: fitted to what
+    the passes leave of the event loop's CPU time over each whole workload of the profile
+    (requests are taken in between iterations too), the first (a cold start) left out."""
     if not any(r.server_cpu is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
             "--no-server?): use --frontend offline, or profile through the server"
         )
-    rows, cpu = [], []
-    window = 16
-    for start in range(1, len(records) - window, window):
-        part = records[start : start + window]
-        if any(r.server_cpu is None for r in part):
-            continue
-        previous = records[start - 1 : start + window - 1]  # (the publications a pass follows)
-        rows.append(
-            [
-                sum(r.accepted for r in part),
-                sum(r.accepted_tokens for r in part),
-                sum(1 for r in previous if r.outputs),
-                sum(r.outputs for r in previous),
-                sum(r.host + r.wait for r in part),  # (the loop's own idle work)
-            ]
-        )
-        cpu.append(sum(r.server_cpu for r in part))
-    request, prompt_token, publish, chunk, _ = nnls(rows, cpu)
+    pairs = [(a.outputs, b) for a, b in pairwise(records) if b.server_cpu is not None]
+    bins: dict[int, list[tuple[int, float]]] = {}
+    for streams, r in pairs:
+        if streams and not r.accepted:
+            bins.setdefault(int(math.log2(streams) * 2), []).append((streams, r.server_cpu))
+    points = [
+        (sum(n for n, _ in group) / len(group), sum(c for _, c in group) / len(group), len(group))
+        for _, group in sorted(bins.items())
+        if len(group) >= 3
+    ]
+    if not points:
+        raise ValueError("the profile's server measurements hold no pass over the streams")
+    passes = Piecewise(increasing(points))
+    rows, residual = [], []
+    for first, end, requests, prompt, cpu in server.get("workloads", [])[1:]:
+        first, end = int(first), min(int(end), len(records))
+        published = [r.outputs for r in records[max(first - 1, 0) : end - 1] if r.outputs]
+        rows.append([requests, prompt])
+        residual.append(cpu - sum(passes(n) for n in published))
+    request, prompt_token = nnls(rows, residual) if rows else (0.0, 0.0)
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
-    latency = max(0.0, lone[len(lone) // 2] - publish - chunk) if lone else 0.0
+    latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
-    return ServerCosts(request, prompt_token, publish, chunk, latency, first)
+    points = tuple(zip(passes.xs, passes.ys))
+    return ServerCosts(request, prompt_token, points, latency, first)
