@@ -59,6 +59,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
 
 
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command-line options that give ``config`` (its model aside): the inverse of
+    ``add_engine_options``, for an engine started in another process."""
+    flags = []
+    for f in fields(EngineConfig):
+        value = getattr(config, f.name)
+        if f.name == "model" or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=64)

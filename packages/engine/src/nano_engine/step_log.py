@@ -39,15 +39,18 @@ class Phases:
     ``cpu``, the loop thread's own CPU seconds of each host phase too (the wall time less what
     it waited for the GIL, held by the server's event loop, say)."""
 
-    def __init__(self, synchronous: bool, cpu: bool = False, watch: int | None = None) -> None:
+    def __init__(
+        self, synchronous: bool, cpu: bool = False, watch: tuple[int, float] | None = None
+    ) -> None:
         self.synchronous = synchronous
         self.seconds = dict.fromkeys((*_HOST, "wait", "forward", "sample_device"), 0.0)
         self.cpu = dict.fromkeys(_HOST, 0.0) if cpu else None
         self.resolved = self.finished = self.outputs = 0  # tokens read, sequences ended, outputs
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time() if cpu else 0.0
-        self._watch = watch  # another thread's CPU clock (the server's event loop)
-        self._watch_start = time.clock_gettime(watch) if watch is not None else 0.0
+        # another thread's CPU clock (the server's event loop), and its reading at the log's start
+        self._watch, self._watch_origin = watch or (None, 0.0)
+        self._watch_start = time.clock_gettime(self._watch) if watch is not None else 0.0
 
     def mark(self, phase: str, device: str | None = None) -> None:
         now = time.perf_counter()
@@ -83,6 +86,7 @@ class Phases:
             record.cpu = [self.cpu[phase] for phase in _HOST]
         if self._watch is not None:
             record.server_cpu = time.clock_gettime(self._watch) - self._watch_start
+            record.server_cpu_at = self._watch_start - self._watch_origin
         if self.synchronous:
             record.forward, record.sample_device = (
                 self.seconds["forward"],
@@ -168,7 +172,10 @@ class StepRecorder:
         """``watch``: a thread whose CPU time each iteration records (the server's event
         loop, which competes with the loop thread for the GIL)."""
         self.device = device
-        self.watch = time.pthread_getcpuclockid(watch.ident) if watch is not None else None
+        self.watch = None  # (the watched thread's CPU clock, its reading at the start)
+        if watch is not None:
+            clock = time.pthread_getcpuclockid(watch.ident)
+            self.watch = (clock, time.clock_gettime(clock))
         self.cuda = device.type == "cuda"
         self.path = Path(path) if path is not None else None
         self.steps: list[StepRecord] = []

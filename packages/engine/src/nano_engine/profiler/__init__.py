@@ -72,9 +72,6 @@ def profile_engine(
             sched.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size, quick
         )
         host = {"offline": phase("offline loop", loop.offline, engine, work)}
-        costs: dict = {}
-        if server:
-            host["server"], costs = phase("server loop", loop.server, engine, work)
         mc = engine.model_config
         settings = EngineSettings(
             block_size=runner.block_size,
@@ -96,6 +93,9 @@ def profile_engine(
         device = describe_device(runner.device)
     finally:
         engine.shutdown()
+    costs: dict = {}
+    if server:  # (once this engine has given the device back)
+        host["server"], costs = phase("server loop", loop.server, config, work)
     return Profile(
         model={name: getattr(mc, name) for name in MODEL_FIELDS},
         device={**device, "count": config.tensor_parallel_size},

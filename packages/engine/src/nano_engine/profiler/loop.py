@@ -2,25 +2,30 @@
 
 The engine's own loop runs synthetic workloads with its step log on: small and large decode
 batches, admissions beside running decodes, prompts of many lengths. ``offline`` submits them
-as ``LLM.generate`` does; ``server`` sends them through the real HTTP server (in a thread of
-this process, as ``nano-engine serve`` runs it beside the loop) from client processes that
-stream every token, and also yields each request's ingress (client send to engine accept) and
-egress (first token published to first token received).
+as ``LLM.generate`` does; ``server`` sends them through ``nano-engine serve`` (a process of its
+own, as in production) from client processes that stream every token, and also yields each
+request's ingress (client send to engine accept) and egress (first token published to first
+token received).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import random
+import signal
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
+from nano_engine.config import EngineConfig
 from nano_engine.replay import Target, client_pool, replay
 from nano_scheduler import SamplingParams
-from nano_scheduler.sim.profile import StepRecord
+from nano_scheduler.sim.profile import StepRecord, read_step_log
 from nano_scheduler.sim.workload import Request
 
 
@@ -96,74 +101,113 @@ def _generate(engine, requests: list[Request], vocab: int) -> float:
     return time.perf_counter() - start
 
 
-def server(engine, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
-    """Step records of workloads sent through the HTTP server by streaming clients, and the
-    server's costs: ingress and egress samples, the first request's extra time."""
-    import uvicorn
-
-    from nano_engine.parallel import free_port
-    from nano_engine.server import build_app
-
-    port = free_port()
-    app = build_app(engine, "profile", max_queue=1 << 30)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    http = uvicorn.Server(config)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # as nano-engine serve sets it
-    thread = threading.Thread(target=http.run, name="profile-server", daemon=True)
-    thread.start()
-    replays = []
-    spans = []  # [first step, end step, requests, prompt tokens, event loop CPU seconds]
-    try:
-        while not http.started:
-            if not thread.is_alive():
-                raise RuntimeError("the profile's HTTP server did not start")
-            time.sleep(0.05)
-        target = Target(f"http://127.0.0.1:{port}", "profile", vocab=work.vocab)
-        sweep = work.sweep()
-        # The mixed workload arriving at 40% of the rate the engine served it offline (small
-        # batches, admissions beside them), then long outputs at twice it (queues, full
-        # batches of long contexts).
-        count = 2 * work.max_num_seqs
-        mixed = [work.mixed(0.4 * work.served, count), work.mixed(2 * work.served, count, 1024)]
-        one = [Request(0.0, min(128, work.longest), 8)]
-        workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
-        # The server's event loop runs in ``thread``: its CPU time during each iteration is in
-        # the step records, and over each whole workload (requests are taken in between
-        # iterations too) in ``spans``.
-        recorder = engine.record_steps(watch=thread)
-        loop_cpu = time.pthread_getcpuclockid(thread.ident)
-        with client_pool(4) as clients:
-            for requests in workloads:
-                ids = replace(target, request_ids=f"profile{len(replays)}")
-                processes = min(4, len(requests))
-                first, cpu = len(recorder.steps), time.clock_gettime(loop_cpu)
-                replays.append(replay(ids, requests, processes, pool=clients))
-                time.sleep(0.05)  # (the last responses close)
-                cpu = time.clock_gettime(loop_cpu) - cpu
-                prompt = sum(r.prompt_tokens for r in replays[-1].records)
-                spans.append([first, len(recorder.steps), len(requests), prompt, cpu])
-                progress(len(replays), len(workloads))
-        engine.stop_recording()
-    finally:
-        http.should_exit = True
-        thread.join(timeout=30)
-        sys.setswitchinterval(switch)
+def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
+    """Step records of workloads sent through ``nano-engine serve`` (started here with
+    ``config``, its step log on) by streaming clients, and the server's costs: ingress and
+    egress samples, the first request's extra time, and each workload's span of the log."""
+    with tempfile.TemporaryDirectory(prefix="nano-engine-profile-") as tmp:
+        step_log = Path(tmp) / "steps.jsonl"
+        with _Serve(config, step_log, Path(tmp) / "server.log") as url:
+            target = Target(url, "profile", vocab=work.vocab)
+            sweep = work.sweep()
+            # The mixed workload arriving at 40% of the rate the engine served it offline
+            # (small batches, admissions beside them), then long outputs at twice it (queues,
+            # full batches of long contexts).
+            count = 2 * work.max_num_seqs
+            mixed = [work.mixed(0.4 * work.served, count), work.mixed(2 * work.served, count, 1024)]
+            one = [Request(0.0, min(128, work.longest), 8)]
+            workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
+            replays, spans = [], []  # spans: [start, end (monotonic), requests, prompt tokens]
+            with client_pool(4) as clients:
+                for requests in workloads:
+                    ids = replace(target, request_ids=f"profile{len(replays)}")
+                    processes = min(4, len(requests))
+                    start = time.monotonic()
+                    replays.append(replay(ids, requests, processes, pool=clients))
+                    prompt = sum(r.prompt_tokens for r in replays[-1].records)
+                    spans.append([start, time.monotonic(), len(requests), prompt])
+                    progress(len(replays), len(workloads))
+        log = read_step_log(step_log)
     failed = [r.error for run in replays for r in run.failures]
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
-    costs = {**_server_costs(recorder, replays), "workloads": spans}
+    costs = {**_server_costs(log, replays), "workloads": _workload_cpu(log.steps, spans)}
     cold, *warm = (run.records[0] for run in replays[:3])
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)
-    return recorder.steps, costs
+    return log.steps, costs
 
 
-def _server_costs(recorder, replays) -> dict:
+class _Serve:
+    """``nano-engine serve`` with ``config`` in a subprocess on a free port, its step log
+    on, until the block ends (SIGTERM: the log is written out)."""
+
+    def __init__(self, config: EngineConfig, step_log: Path, output: Path) -> None:
+        from nano_engine.cli import engine_flags
+        from nano_engine.parallel import free_port
+
+        self.port, self.output = free_port(), output
+        self.command = [sys.executable, "-m", "nano_engine.cli", "-v", "serve", config.model]
+        self.command += [*engine_flags(config), "--port", str(self.port)]
+        self.command += ["--served-model-name", "profile", "--step-log", str(step_log)]
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.log = self.output.open("w")
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                tail = self.output.read_text()[-2000:]
+                raise RuntimeError(f"the profile's server exited ({self.proc.returncode}): {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return url
+            time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError("the profile's server did not become healthy in 15 minutes")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _workload_cpu(steps: list[StepRecord], spans: list[list[float]]) -> list[list[float]]:
+    """Each workload as [first step, end step, requests, prompt tokens, the event loop's CPU
+    seconds from its first iteration to the next workload's]: requests are taken in between
+    iterations too."""
+    starts = [
+        next((i for i, r in enumerate(steps) if r.t >= start), len(steps)) for start, *_ in spans
+    ]
+    ends = [*starts[1:], len(steps)]
+    out = []
+    for first, end, (_, _, requests, prompt) in zip(starts, ends, spans):
+        if first >= end or steps[first].server_cpu_at is None:
+            continue
+        last = steps[end - 1]
+        cpu = (
+            steps[end].server_cpu_at
+            if end < len(steps)
+            else last.server_cpu_at + (last.server_cpu or 0.0)
+        ) - steps[first].server_cpu_at
+        out.append([first, end, requests, prompt, cpu])
+    return out
+
+
+def _server_costs(log, replays) -> dict:
     """Ingress (prompt tokens, client send -> engine accept) and egress (outputs published
     with it, first token published -> received) of every request of the replays, matched
     with the step log by request id."""
-    timings = {t.id: t for t in recorder.requests}
+    timings = {t.id: t for t in log.requests}
     ingress, egress = [], []
     for k, run in enumerate(replays):
         for client in run.records:
@@ -172,6 +216,6 @@ def _server_costs(recorder, replays) -> dict:
                 raise RuntimeError(f"request {client.index} of workload {k} is not in the step log")
             ingress.append([client.prompt_tokens, max(0.0, timing.arrival - client.sent)])
             if timing.first_token is not None and timing.first_step is not None:
-                outputs = recorder.steps[timing.first_step].outputs
+                outputs = log.steps[timing.first_step].outputs
                 egress.append([outputs, max(0.0, client.times[0] - timing.first_token)])
     return {"ingress": ingress, "egress": egress}

@@ -332,7 +332,7 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     rows, residual = [], []
     for first, end, requests, prompt, cpu in server.get("workloads", [])[1:]:
         first, end = int(first), min(int(end), len(records))
-        published = [r.outputs for r in records[max(first - 1, 0) : end - 1] if r.outputs]
+        published = [r.outputs for r in records[first:end] if r.outputs]
         rows.append([requests, prompt])
         residual.append(cpu - sum(passes(n) for n in published))
     request, prompt_token = nnls(rows, residual) if rows else (0.0, 0.0)
