@@ -90,6 +90,11 @@ class CostModel(Protocol):
         and to publish ``outputs`` request outputs: (post, publish)."""
         ...
 
+    def is_eager(self, batch: BatchShape) -> bool:
+        """Whether the forward runs eagerly (its kernels start as they are launched), not as
+        one CUDA graph (it starts once replayed, after its inputs)."""
+        ...
+
 
 class DeviceOnlyModel:
     """A cost model that knows only the device's time of a step (``step_time``): the host
@@ -105,6 +110,9 @@ class DeviceOnlyModel:
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         return 0.0, 0.0
+
+    def is_eager(self, batch: BatchShape) -> bool:
+        return True
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}

@@ -24,6 +24,7 @@ from the grid's edge and one warning per kind of question.
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from bisect import bisect_left
 from itertools import pairwise
@@ -237,7 +238,11 @@ def _geometric(lo: float, hi: float, ratio: float) -> list[float]:
 
 
 class HostModel:
-    """The loop's host time per phase, each a non-negative linear fit over step records."""
+    """The loop's host time per phase, each a non-negative linear fit over step records. The
+    launch is fitted apart for CUDA-graph steps (a replay) and eager ones (every kernel of the
+    model launched, tens of milliseconds on a GPU, and varying widely from step to step: an
+    eager launch takes its fit times a ratio drawn from those measured, so the simulation
+    sees the spread too, not only the mean)."""
 
     def __init__(self, records: list[StepRecord], block_size: int, cpu: bool = False) -> None:
         """``cpu``: fit the loop thread's CPU seconds (where measured), not the wall time."""
@@ -249,18 +254,29 @@ class HostModel:
             raise ValueError("the profile's host measurements hold no step")
         self.cpu = cpu
         self.schedule = self._fit(steps, self._schedule_features, 0)
-        self.launch = self._fit(steps, self._launch_features, 1)
+        graphs, eager = [r for r in steps if not r.eager], [r for r in steps if r.eager]
+        self.launch_graph = self._fit(graphs, self._launch_features, 1) if graphs else None
+        self.launch_eager = self._fit(eager, self._launch_features, 1) if eager else None
+        self._spread = [1.0]
+        if eager:
+            fitted = [self._dot(self.launch_eager, self._launch_features(r)) for r in eager]
+            measured = [self._time(r, 1) for r in eager]
+            self._spread = [m / f for m, f in zip(measured, fitted) if f > 0]
+        self._rng = random.Random(0)
         self.sample = self._fit(steps, lambda r: [1.0, r.sampled], 3)
         resolving = [r for r in records if r.resolved]
         self.post = self._fit(resolving or steps, self._post_features, 2)
         self.publish = self._fit(records, lambda r: [1.0, r.outputs], 4)
 
+    def _time(self, r: StepRecord, phase: int) -> float:
+        return r.cpu[phase] if self.cpu else getattr(r, HOST_PHASES[phase])
+
     def _fit(self, records: list[StepRecord], features, phase: int) -> list[float]:
-        if self.cpu:
-            times = [r.cpu[phase] for r in records]
-        else:
-            times = [getattr(r, HOST_PHASES[phase]) for r in records]
-        return nnls([features(r) for r in records], times)
+        return nnls([features(r) for r in records], [self._time(r, phase) for r in records])
+
+    @staticmethod
+    def _dot(coef: list[float], features: list[float]) -> float:
+        return sum(c * x for c, x in zip(coef, features))
 
     @staticmethod
     def _schedule_features(r: StepRecord) -> list[float]:
@@ -269,9 +285,12 @@ class HostModel:
 
     def _launch_features(self, r: StepRecord) -> list[float]:
         longest = max([r.decodes[2]] + [n + c for n, c in r.prefills])
-        seqs = r.decodes[0] + len(r.prefills)
-        table = seqs * -(-longest // self.block_size)
-        return [1.0, float(r.eager), table, r.num_tokens if r.eager else 0.0]
+        return self._launch_row(r.decodes[0], len(r.prefills), longest, r.num_tokens)
+
+    def _launch_row(self, decodes: int, chunks: int, longest: int, tokens: int) -> list[float]:
+        # the step's inputs: one int32 buffer with every block table padded to the longest
+        table = (decodes + chunks) * -(-longest // self.block_size)
+        return [1.0, table, decodes + chunks, tokens, chunks]
 
     @staticmethod
     def _post_features(r: StepRecord) -> list[float]:
@@ -292,9 +311,12 @@ class HostModel:
         longest = max(batch.decodes) if batch.decodes else 0
         for n, c in batch.prefills:
             longest = max(longest, n + c)
-        table = (n_dec + len(batch.prefills)) * -(-longest // self.block_size)
-        x = self.launch
-        launch = x[0] + x[2] * table + (x[1] + x[3] * (prefill_tokens + n_dec) if eager else 0.0)
+        row = self._launch_row(n_dec, len(batch.prefills), longest, prefill_tokens + n_dec)
+        coef = self.launch_eager if eager else self.launch_graph
+        coef = coef or self.launch_eager or self.launch_graph  # (a regime never measured)
+        launch = self._dot(coef, row)
+        if eager:
+            launch *= self._rng.choice(self._spread)
         sample = self.sample[0] + self.sample[1] * batch.num_sampled
         return schedule, launch, sample
 
@@ -305,22 +327,24 @@ class HostModel:
 
 
 def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
-    """The server's event-loop costs, from its thread's CPU time during each iteration of the
-    engine's loop. A pass over the streams follows each publication of outputs: its cost by
-    the number of streams is the mean over iterations that took no request in, in bins of
-    the number (it grows faster than linearly: caches). A request's handling: fitted to what
+    """The server's event-loop costs, from its thread's CPU time in the engine's step log. A
+    pass over the streams follows each publication of outputs: its cost by the number of
+    streams is the mean over iterations that took no request in, in bins of the number, made
+    non-decreasing (it grows faster than linearly: caches). A request's handling: fitted to what
     the passes leave of the event loop's CPU time over each whole workload of the profile
     (requests are taken in between iterations too), the first (a cold start) left out."""
-    if not any(r.server_cpu is not None for r in records):
+    if not any(r.server_cpu_at is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
             "--no-server?): use --frontend offline, or profile through the server"
         )
-    pairs = [(a.outputs, b) for a, b in pairwise(records) if b.server_cpu is not None]
+    # The pass over an iteration's outputs runs once they are published, mostly before the
+    # next iteration begins: the event loop's CPU from one iteration's start to the next's.
     bins: dict[int, list[tuple[int, float]]] = {}
-    for streams, r in pairs:
-        if streams and not r.accepted:
-            bins.setdefault(int(math.log2(streams) * 2), []).append((streams, r.server_cpu))
+    for a, b in pairwise(records):
+        if a.outputs and not a.accepted and not b.accepted and b.server_cpu_at is not None:
+            cpu = b.server_cpu_at - a.server_cpu_at
+            bins.setdefault(int(math.log2(a.outputs) * 2), []).append((a.outputs, cpu))
     points = [
         (sum(n for n, _ in group) / len(group), sum(c for _, c in group) / len(group), len(group))
         for _, group in sorted(bins.items())

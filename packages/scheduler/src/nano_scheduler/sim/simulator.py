@@ -107,13 +107,16 @@ class Simulator:
             done: list[Sequence] = []  # those of them that ended with it
             step = None
             if out is not None and not out.is_empty:
-                step = cost.step_cost(BatchShape.of(out, len(sched.running), len(sched.waiting)))
+                batch = BatchShape.of(out, len(sched.running), len(sched.waiting))
+                step = cost.step_cost(batch)
                 t = begin = host.cpu(t, step.schedule)
                 t = host.cpu(t, step.launch)
                 if sync_device:  # (the device's work is the thread's, without the lock)
                     t = forward_end = host.free(t, t + step.forward)
-                else:
+                elif cost.is_eager(batch):  # (kernels start as they are launched)
                     forward_end = max(max(device_free, begin) + step.forward, t)
+                else:  # a CUDA graph starts once its inputs are in and it is replayed
+                    forward_end = max(device_free, t) + step.forward
             if in_flight is not None:  # (async scheduling) the previous step's tokens
                 pending, device_end = in_flight
                 in_flight = None
