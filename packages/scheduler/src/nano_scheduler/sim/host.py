@@ -39,6 +39,10 @@ class OfflineHost:
         """When the next request is accepted, at the earliest ``t`` (inf: none is pending)."""
         return max(t, self._accepted[0][0]) if self._accepted else math.inf
 
+    def accepted_by(self, t: float) -> bool:
+        """Whether a request is accepted by ``t`` (and not taken yet)."""
+        return bool(self._accepted) and self._accepted[0][0] <= t
+
     def accepted(self, t: float) -> list[int]:
         """The requests accepted by ``t`` (each once), in order."""
         out = []
@@ -81,151 +85,120 @@ class ServerCosts:
         return self._passes(streams)
 
 
-class _Item:
-    __slots__ = ("available", "marks", "position", "streams", "work")
-
-    def __init__(self, available: float, work: float, position: int = -1) -> None:
-        self.available, self.work, self.position = available, work, position
-        self.streams: dict[int, bool] | None = None  # a pass: seq_id -> finished
-        self.marks: list[float] = []  # (a pass) the work left when each stream is sent
-
-
 class ServerHost:
+    """The event loop does each piece of work as soon as it has arrived and the previous one
+    is done (it has the lock first), so its timeline is a queue's; the loop thread computes
+    only while the event loop has nothing to do."""
+
     def __init__(self, costs: ServerCosts, receive: Receive) -> None:
         self.costs, self.receive = costs, receive
-        self.t = 0.0  # the event loop is simulated up to here
-        self._requests: deque[_Item] = deque()  # in the order sent
-        self._publications: deque[_Item] = deque()
-        self._current: _Item | None = None
+        self.busy_until = 0.0  # the event loop's work started so far ends here
+        self._requests: deque[tuple[float, int, int]] = deque()  # (arrival, position, tokens)
+        self._publications: deque[tuple[float, list[tuple[int, bool]]]] = deque()
         self._accepted: deque[tuple[float, int]] = deque()
         self._first = True
+        self._next = math.inf  # when the event loop starts its next piece of work
 
     # ---- what the simulator calls ------------------------------------------------------------
 
     def send(self, t: float, position: int, prompt_tokens: int) -> None:
-        c = self.costs
-        work = c.request + c.prompt_token * prompt_tokens
-        if self._first:
-            work += c.first_request
-            self._first = False
-        self._requests.append(_Item(t + c.latency, work, position))
+        self._requests.append((t + self.costs.latency, position, prompt_tokens))
+        self._next = self._next_start()
 
     def next_accept(self, t: float) -> float:
-        """Run the event loop alone from ``t`` until it accepts a request; its time (inf if no
-        request is on its way)."""
-        self.free(t, t)
+        """When the next request is accepted, at the earliest ``t`` (inf: none is on its
+        way); the event loop runs until then."""
+        self._run(t)
         while not self._accepted:
-            item = self._current or self._start()
-            if item is not None:
-                self._advance(item, item.work, 1.0)
-            elif self._next_arrival() < math.inf:
-                self.t = self._next_arrival()
-            else:
+            if self._next == math.inf:
                 return math.inf
+            self._run(self._next)
         return max(t, self._accepted[0][0])
 
+    def accepted_by(self, t: float) -> bool:
+        self._run(t)
+        return bool(self._accepted) and self._accepted[0][0] <= t
+
     def accepted(self, t: float) -> list[int]:
+        self._run(t)
         out = []
         while self._accepted and self._accepted[0][0] <= t:
             out.append(self._accepted.popleft()[1])
         return out
 
     def cpu(self, t: float, seconds: float) -> float:
-        """The loop thread computes for ``seconds`` once the event loop lets it: the event
-        loop keeps the lock while it has work (the loop thread releases the lock around
-        every torch call and waits a switch interval to get it back; the event loop holds it
-        for whole intervals), as measured: a pass over 256 streams delays the loop thread by
-        its whole length."""
-        self.free(t, t)
-        while seconds > 1e-12:
-            item = self._current or self._start()
-            if item is not None:
-                self._advance(item, item.work, 1.0)
-            else:  # the event loop is idle until its next arrival
-                dt = min(seconds, self._next_arrival() - self.t)
-                self.t += dt
-                seconds -= dt
-        return self.t
+        """The loop thread computes for ``seconds`` from ``t``, only while the event loop is
+        idle: the event loop keeps the lock while it has work (the loop thread releases it
+        around every torch call and waits a switch interval to get it back; the event loop
+        holds it for whole intervals), as measured: a pass over 256 streams delays the loop
+        thread by its whole length."""
+        if t >= self._next:
+            self._run(t)
+        while True:
+            if self.busy_until > t:
+                t = self.busy_until
+                self._run(t)
+                continue
+            start = self._next
+            if t + seconds <= start:
+                return t + seconds
+            seconds -= start - t
+            t = start
+            self._run(t)
 
     def free(self, t: float, until: float) -> float:
-        """The loop thread holds no lock until ``until``: the event loop runs alone."""
-        self.t = max(self.t, t)
-        while self.t < until:
-            item = self._current or self._start()
-            if item is None:
-                self.t = min(until, self._next_arrival())
-            else:
-                self._advance(item, min(until - self.t, item.work), 1.0)
-        return max(self.t, until)
+        """The loop thread holds no lock until ``until``: the event loop runs beside it."""
+        if until >= self._next:
+            self._run(until)
+        return max(t, until)
 
     def publish(self, t: float, streams: list[tuple[int, bool]]) -> None:
         if streams:
-            item = _Item(t, 0.0)
-            item.streams = dict(streams)
-            self._publications.append(item)
+            self._publications.append((t, streams))
+            if t < self._next:
+                self._next = max(t, self.busy_until)
 
     def drain(self, t: float) -> float:
         """Run the event loop until it has sent everything; the time it is done."""
-        self.free(t, t)
-        while True:
-            item = self._current or self._start()
-            if item is not None:
-                self._advance(item, item.work, 1.0)
-            elif self._next_arrival() < math.inf:
-                self.t = self._next_arrival()
-            else:
-                return self.t
+        while self._next < math.inf:
+            self._run(self._next)
+        return max(t, self.busy_until)
 
     # ---- the event loop ----------------------------------------------------------------------
 
-    def _next_arrival(self) -> float:
+    def _next_start(self) -> float:
+        """When the event loop starts its next piece of work (inf: none has been handed)."""
         r, p = self._requests, self._publications
-        return min(r[0].available if r else math.inf, p[0].available if p else math.inf)
+        arrival = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
+        return max(arrival, self.busy_until)
 
-    def _start(self) -> _Item | None:
-        """The next item to arrive, if it has: a pass takes every publication made by now."""
-        r, p = self._requests, self._publications
-        if r and r[0].available <= self.t and (not p or r[0].available <= p[0].available):
-            item = r.popleft()
-        elif p and p[0].available <= self.t:
-            item = p.popleft()
-        else:
-            return None
-        if item.streams is not None:
-            streams = _Streams(item.streams)
-            while p and p[0].available <= self.t:
-                streams.merge(p.popleft().streams)
-            n = len(streams)
-            item.work = self.costs.pass_seconds(n)
-            item.marks = [item.work * (n - 1 - i) / n for i in range(n)]
-            item.streams = streams
-        self._current = item
-        return item
-
-    def _advance(self, item: _Item, dt: float, share: float) -> None:
-        """``dt`` seconds of the event loop working on ``item`` at ``share`` of the time."""
-        start, before = self.t, item.work
-        self.t += dt
-        item.work -= dt * share
-        if item.streams is not None:
-            # a stream's chunk is sent once the pass has done the work up to it
-            while item.marks and item.marks[0] >= item.work - 1e-15:
-                when = start + (before - item.marks.pop(0)) / share
-                seq_id, finished = item.streams.popitem_first()
-                self.receive(seq_id, when + self.costs.latency, finished)
-        if item.work <= 1e-15:
-            self._current = None
-            if item.streams is None:
-                self._accepted.append((self.t, item.position))
-
-
-class _Streams(dict):
-    """The streams of a pass in order (seq_id -> finished), taken from the front."""
-
-    def merge(self, other: dict[int, bool]) -> None:
-        for seq_id, finished in other.items():
-            self[seq_id] = self.get(seq_id, False) or finished
-
-    def popitem_first(self) -> tuple[int, bool]:
-        seq_id = next(iter(self))
-        return seq_id, self.pop(seq_id)
+    def _run(self, t: float) -> None:
+        """Start every piece of work that starts by ``t``: a request's handling (it is
+        accepted at its end), or a pass over every stream published to by then, each
+        stream's chunk sent in turn."""
+        if t < self._next:
+            return
+        r, p, c = self._requests, self._publications, self.costs
+        while True:
+            start = self._next = self._next_start()
+            if start > t:
+                return
+            if r and (not p or r[0][0] <= p[0][0]) and r[0][0] <= start:
+                _, position, tokens = r.popleft()
+                work = c.request + c.prompt_token * tokens
+                if self._first:
+                    work += c.first_request
+                    self._first = False
+                self.busy_until = start + work
+                self._accepted.append((self.busy_until, position))
+                continue
+            streams: dict[int, bool] = {}
+            while p and p[0][0] <= start:
+                for seq_id, finished in p.popleft()[1]:
+                    streams[seq_id] = streams.get(seq_id, False) or finished
+            each = c.pass_seconds(len(streams)) / len(streams)
+            when = start + c.latency
+            for seq_id, finished in streams.items():
+                when += each
+                self.receive(seq_id, when, finished)
+            self.busy_until = start + each * len(streams)

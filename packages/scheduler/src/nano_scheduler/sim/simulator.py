@@ -23,7 +23,7 @@ from collections.abc import Callable
 from nano_kvcache import BlockManager
 from nano_scheduler.config import SchedulerConfig
 from nano_scheduler.sampling_params import SamplingParams
-from nano_scheduler.scheduler import PendingStep, Scheduler
+from nano_scheduler.scheduler import PENDING_TOKEN, PendingStep, Scheduler, SchedulerOutput
 from nano_scheduler.sequence import Sequence
 from nano_scheduler.sim.cost_model import BatchShape, CostModel
 from nano_scheduler.sim.host import OfflineHost, ServerCosts, ServerHost
@@ -100,55 +100,68 @@ class Simulator:
             for position in host.accepted(t):
                 self._add(position, rejected)
                 added += 1
+            if overlap and not sync_device and in_flight is not None and not sched.waiting:
+                clocks = self._steady_decodes(host, in_flight, t, device_free, timeline)
+                if clocks is not None:
+                    t, device_free, in_flight, steps = clocks
+                    num_steps += steps
+                    continue
             self.now = t
             out = sched.schedule() if sched.has_unfinished() else None
-            ended = list(out.finished) if out is not None else []  # no room to go on
+            ended = out.finished if out is not None else []  # no room to go on
             resolved: list[Sequence] = []  # sequences with a token to publish
             done: list[Sequence] = []  # those of them that ended with it
             step = None
-            if out is not None and not out.is_empty:
+            if out is not None and (out.prefills or out.decodes):
                 batch = BatchShape.of(out, len(sched.running), len(sched.waiting))
                 step = cost.step_cost(batch)
-                t = begin = host.cpu(t, step.schedule)
-                t = host.cpu(t, step.launch)
+                start = t
+                t = host.cpu(t, step.schedule + step.launch)
                 if sync_device:  # (the device's work is the thread's, without the lock)
                     t = forward_end = host.free(t, t + step.forward)
                 elif cost.is_eager(batch):  # (kernels start as they are launched)
+                    begin = max(start + step.schedule, t - step.launch)
                     forward_end = max(max(device_free, begin) + step.forward, t)
                 else:  # a CUDA graph starts once its inputs are in and it is replayed
                     forward_end = max(device_free, t) + step.forward
-            if in_flight is not None:  # (async scheduling) the previous step's tokens
+            # The loop thread's work after the launch, in its order: resolve the step in
+            # flight (async) or this one, launch the sampling, publish the outputs.
+            pending = None
+            if in_flight is not None:
                 pending, device_end = in_flight
                 in_flight = None
                 t = host.free(t, device_end)
                 resolved, done = self._resolve(pending, out)
-                post = cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))[0]
-                t = host.cpu(t, post)
+            outputs = len(resolved) + len(ended)
+            post, publish = cost.resolve_cost(len(resolved), len(done), outputs)
             if step is not None:
-                t = host.cpu(t, step.sample_host)
+                t = host.cpu(t, (post if pending is not None else 0.0) + step.sample_host)
                 if sync_device:
                     t = device_end = host.free(t, t + step.sample)
                 else:
                     device_end = device_free = max(forward_end, t) + step.sample
                 self.now = t
-                pending = sched.advance(out)
+                advanced = sched.advance(out)
                 num_steps += 1
                 if overlap:
-                    in_flight = (pending, device_end)
+                    in_flight = (advanced, device_end)
                 else:
                     t = host.free(t, device_end)
-                    resolved, done = self._resolve(pending, None)
-                    post = cost.resolve_cost(len(resolved), len(done), len(resolved) + len(ended))
-                    t = host.cpu(t, post[0])
-            outputs = len(resolved) + len(ended)
-            t = host.cpu(t, cost.resolve_cost(0, 0, outputs)[1])
+                    resolved, done = self._resolve(advanced, None)
+                    outputs = len(resolved) + len(ended)
+                    post, publish = cost.resolve_cost(len(resolved), len(done), outputs)
+                    t = host.cpu(t, post)
+            elif pending is not None:
+                t = host.cpu(t, post)
+            t = host.cpu(t, publish)
             if outputs:
-                for seq in done + ended:
+                for seq in done:
                     ended_seqs[seq.seq_id] = seq
-                finished = {s.seq_id for s in done} | {s.seq_id for s in ended}
-                streams = {s.seq_id: s.seq_id in finished for s in resolved}
-                streams.update((s.seq_id, True) for s in ended)
-                host.publish(t, list(streams.items()))
+                streams = [(s.seq_id, s.is_finished and s in done) for s in resolved]
+                for seq in ended:
+                    ended_seqs[seq.seq_id] = seq
+                    streams.append((seq.seq_id, True))
+                host.publish(t, streams)
             if step is not None:
                 timeline.record(
                     t,
@@ -162,6 +175,82 @@ class Simulator:
         return SimResult(
             records, rejected, itl, timeline, num_steps, sched.num_preemptions, bm.stats().hit_rate
         )
+
+    def _steady_decodes(self, host, in_flight, t: float, device_free: float, timeline):
+        """Run, without the scheduler, the iterations that would repeat the step in flight
+        unchanged: its decodes are every running sequence, none of them ends or needs a block
+        or fills one, no request comes in (so the scheduler would decide the same). The host
+        and the device do the same work as in the loop; the sequences get their tokens at
+        once after. None when fewer than two such iterations lie ahead; else the clocks, the
+        step now in flight and the number of steps (one at least)."""
+        pending, device_end = in_flight
+        out, running = pending.output, self.scheduler.running
+        seqs = out.decodes
+        if out.prefills or pending.finished or len(seqs) != len(running) or not seqs:
+            return None
+        block_size = self.block_manager.block_size
+        steps = 1 << 30
+        for seq in seqs:  # (each holds the step in flight's placeholder as its last token)
+            length = len(seq.token_ids)
+            room = min(
+                block_size - 1 - (length - 1) % block_size,  # lengths that end no block
+                len(seq.block_table) * block_size - length + 1,  # lengths its blocks hold
+                seq.max_num_tokens - length - 1,  # before it reaches its length limit
+            )
+            if room < steps:
+                steps = room
+                if steps < 2:
+                    return None
+        if seqs[0] is not running[0] or any(a is not b for a, b in zip(seqs, running)):
+            return None
+        cost = self.cost_model
+        batch = BatchShape([], [len(s.token_ids) for s in seqs], len(seqs), len(seqs), 0)
+        step = cost.step_cost(batch)
+        eager = cost.is_eager(batch)
+        n = len(seqs)
+        post, publish = cost.resolve_cost(n, 0, n)
+        streams = [(seq.seq_id, False) for seq in seqs]
+        usage = self.block_manager.usage
+        cpu, free, publish_to, record, accepted_by = (
+            host.cpu,
+            host.free,
+            host.publish,
+            timeline.record,
+            host.accepted_by,
+        )
+        launch, resolve_and_sample = step.schedule + step.launch, post + step.sample_host
+        forward, sample = step.forward, step.sample
+        done = 0
+        while done < steps:
+            if done and accepted_by(t):  # (the loop takes a request in here)
+                break
+            start = t
+            t = cpu(t, launch)
+            if eager:
+                begin = max(start + step.schedule, t - step.launch)
+                forward_end = max(max(device_free, begin) + forward, t)
+            else:
+                forward_end = max(device_free, t) + forward
+            t = free(t, device_end)
+            t = cpu(t, resolve_and_sample)
+            device_end = device_free = max(forward_end, t) + sample
+            t = cpu(t, publish)
+            publish_to(t, streams)
+            record(t, n, n, usage, n, 0)
+            done += 1
+        # The scheduler's state after those steps: the placeholder of the step that was in
+        # flight and done - 1 more tokens known, the last step's token in flight.
+        self.now = t
+        slots = []
+        for row, seq in enumerate(seqs):
+            tokens = seq.token_ids
+            tokens[-1] = _SAMPLED_TOKEN
+            tokens.extend([_SAMPLED_TOKEN] * (done - 1))
+            seq.num_computed_tokens = len(tokens)
+            tokens.append(PENDING_TOKEN)
+            slots.append((row, seq, len(tokens) - 1))
+        advanced = PendingStep(SchedulerOutput(decodes=list(seqs), num_batched_tokens=n), slots, [])
+        return t, device_free, (advanced, device_end), done
 
     def _resolve(self, pending: PendingStep, next_out) -> tuple[list[Sequence], list[Sequence]]:
         """Resolve a step's tokens: the sequences that got one, and those that ended with it."""
