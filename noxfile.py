@@ -5,6 +5,7 @@ nox -s lint           ruff check and ruff format --check
 nox -s build          sdists and wheels of every package into dist/, each installed and imported
 nox -s gpu            GPU tests and kernel benchmarks with the current interpreter (an H200)
 nox -s bench          CPU benchmarks (block manager, scheduler, simulator, kernel registers)
+nox -s sim_fidelity   nano-sim against the engine: profile, replay a trace, predict, compare
 nox -s demo           the main job: the engine on this machine (generation, then a benchmark)
 """
 
@@ -99,6 +100,37 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_block_manager.py")
     session.run("python", "benchmarks/bench_scheduler.py", *session.posargs)
     session.run("python", "benchmarks/kernel_resources.py")
+
+
+@nox.session(python=False)
+def sim_fidelity(session: nox.Session) -> None:
+    """nano-sim against the engine it simulates (benchmarks/sim_fidelity.py) with this
+    interpreter: Qwen3-0.6B's config with dummy weights where a GPU is, else the tiny config
+    on a small workload. Arguments replace the defaults (after --: the engine's options)."""
+    import importlib.util
+
+    gpu = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    if session.posargs:
+        args = list(session.posargs)
+    elif gpu:
+        args = ["benchmarks/configs/qwen3-0.6b.json", "--limit", "1000", "--out", "results-sim"]
+        args += [
+            "--",
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            "16384",
+        ]
+    else:
+        args = ["benchmarks/configs/tiny-qwen3.json", "--quick", "--limit", "60", "--max-len", "64"]
+        args += ["--out", "results-sim", "--", "--load-format", "dummy", "--skip-tokenizer-init"]
+        args += ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
+    session.run("python", "benchmarks/sim_fidelity.py", *args, external=True)
 
 
 @nox.session

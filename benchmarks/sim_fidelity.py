@@ -146,7 +146,8 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         args.model, [*args.engine_args, *overrides], workdir / "server.log", workdir / "steps.jsonl"
     )
     try:
-        run = replay(Target(server.url, "sim", vocab=args.vocab, seed=0), requests, args.processes)
+        target = Target(server.url, "sim", vocab=args.vocab, request_ids=name)
+        run = replay(target, requests, args.processes)
     finally:
         server.stop()
     records, gaps = run.nano_sim_records()

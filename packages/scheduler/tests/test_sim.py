@@ -159,10 +159,20 @@ def test_azure_trace_errors(tmp_path):
         load_azure_trace(bad)
     with pytest.raises(ValueError, match="limit must be >= 1"):
         load_azure_trace(TRACE, limit=0)
-    nan = tmp_path / "nan.csv"  # a timestamp of nan would stall the virtual clock forever
-    nan.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,5\nnan,5,5\n")
-    with pytest.raises(ValueError, match="arrival_time must be a finite number"):
-        load_azure_trace(nan)
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,5\n"
+    for row, message in [
+        ("nan,5,5", "nan.csv:3: TIMESTAMP 'nan' is neither"),  # (it would stall the clock)
+        ("-4,5,5", "nan.csv:3: TIMESTAMP '-4' is neither"),
+        ("2023-13-45 10:00:00,5,5", "TIMESTAMP '2023-13-45 10:00:00' is neither"),
+        ("1,-5,5", "nan.csv:3: ContextTokens must be >= 0, got -5"),
+        ("1,5,five", "nan.csv:3: GeneratedTokens must be a whole number of tokens, got 'five'"),
+        ("1,5.5,5", "ContextTokens must be a whole number"),
+        ("1,5", "GeneratedTokens must be a whole number of tokens, got ''"),
+    ]:
+        bad = tmp_path / "nan.csv"
+        bad.write_text(header + row + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_azure_trace(bad)
 
 
 def test_workload_validation():

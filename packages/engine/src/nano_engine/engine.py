@@ -419,7 +419,7 @@ class LLMEngine:
         touched: dict[str, tuple[_Request, set[int]]] = {}
         for seq in out.finished:
             self._touch(touched, seq)
-        log = self._begin_record(out)
+        log = self._begin_record(out, clock.start)
         if not out.is_empty:
             step = StepInput.of(out, previous.rows if previous else None)
             tokens = previous.sampled.tokens if previous else None
@@ -470,12 +470,12 @@ class LLMEngine:
             self.stats_log.record(out, clock.host, clock.device, self.scheduler)
         log.close(clock, done=current is None or not self.async_scheduling)
 
-    def _begin_record(self, out: SchedulerOutput) -> StepLogEntry:
+    def _begin_record(self, out: SchedulerOutput, start: float) -> StepLogEntry:
         recorder = self.recorder
         if recorder is None:
             return NO_ENTRY
         eager = self.runner.is_eager(out)
-        return StepLogEntry(recorder, recorder.begin(out, self.scheduler, eager))
+        return StepLogEntry(recorder, recorder.begin(out, self.scheduler, eager, start))
 
     def _resolve(
         self, step: _InFlight, next_out: SchedulerOutput | None, touched, clock: Phases

@@ -46,6 +46,7 @@ class Phases:
         self.seconds = dict.fromkeys((*_HOST, "wait", "forward", "sample_device"), 0.0)
         self.cpu = dict.fromkeys(_HOST, 0.0) if cpu else None
         self.resolved = self.finished = self.outputs = 0  # tokens read, sequences ended, outputs
+        self.start = time.monotonic()  # (the iteration's, on the clock of the step log)
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time() if cpu else 0.0
         # another thread's CPU clock (the server's event loop), and its reading at the log's start
@@ -191,16 +192,18 @@ class StepRecorder:
 
     # ---- the loop's hooks --------------------------------------------------------------------
 
-    def begin(self, out: SchedulerOutput, scheduler: Scheduler, eager: bool) -> StepRecord:
-        """A record for the iteration that scheduled ``out`` (it may be empty); ``end`` it once
-        complete (its step's device times known), in the order begun."""
+    def begin(
+        self, out: SchedulerOutput, scheduler: Scheduler, eager: bool, start: float
+    ) -> StepRecord:
+        """A record for the iteration that began at ``start`` and scheduled ``out`` (it may be
+        empty); ``end`` it once complete (its step's device times known), in the order begun."""
         self._begun += 1
         (accepted, tokens), self._accepted = self._accepted, [0, 0]
         decodes = [len(s.token_ids) for s in out.decodes]
         return StepRecord(
             accepted=accepted,
             accepted_tokens=tokens,
-            t=time.monotonic(),
+            t=start,
             prefills=[[c.num_tokens, c.start] for c in out.prefills],
             decodes=[len(decodes), sum(decodes), max(decodes, default=0)],
             sampled=sum(c.samples for c in out.prefills) + len(decodes),

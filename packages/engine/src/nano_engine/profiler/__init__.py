@@ -20,8 +20,9 @@ from nano_engine import __version__
 from nano_engine.config import EngineConfig
 from nano_engine.engine import LLMEngine
 from nano_engine.profiler import loop
-from nano_engine.profiler.device import DeviceClock, Grid, measure_forwards, measure_sampling
+from nano_engine.profiler.device import DeviceClock, measure_forwards, measure_sampling
 from nano_engine.step_log import describe_device
+from nano_scheduler.sim.grid import Grid
 from nano_scheduler.sim.profile import MODEL_FIELDS, EngineSettings, Profile
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)

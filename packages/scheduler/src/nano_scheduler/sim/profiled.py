@@ -261,7 +261,7 @@ class HostModel:
         if eager:
             fitted = [self._dot(self.launch_eager, self._launch_features(r)) for r in eager]
             measured = [self._time(r, 1) for r in eager]
-            self._spread = [m / f for m, f in zip(measured, fitted) if f > 0]
+            self._spread = [m / f for m, f in zip(measured, fitted) if f > 0] or [1.0]
         self._rng = random.Random(0)
         self.sample = self._fit(steps, lambda r: [1.0, r.sampled], 3)
         resolving = [r for r in records if r.resolved]

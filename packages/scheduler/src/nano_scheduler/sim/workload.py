@@ -56,7 +56,8 @@ def _draw(seed: str, count: int) -> list[int]:
 def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request]:
     """Read a trace in the Azure LLM inference format (TIMESTAMP, ContextTokens,
     GeneratedTokens). Arrival times are relative to the first request; rows with zero tokens
-    are dropped (a request needs a prompt and one output token)."""
+    are dropped (a request needs a prompt and one output token; the public traces hold some).
+    A value that is not a count of tokens >= 0 or a time is an error naming its line."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every request), got {limit}")
     rows = []
@@ -66,9 +67,12 @@ def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request
         if missing:
             raise ValueError(f"{path}: not an Azure trace, missing columns {sorted(missing)}")
         for row in reader:
-            prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            where = f"{path}:{reader.line_num}"
+            prompt, output = (
+                _count(row, name, where) for name in ("ContextTokens", "GeneratedTokens")
+            )
             if prompt > 0 and output > 0:
-                rows.append((_seconds(row["TIMESTAMP"]), prompt, output))
+                rows.append((_seconds(row["TIMESTAMP"], where), prompt, output))
             if limit is not None and len(rows) >= limit:
                 break
     if not rows:
@@ -78,11 +82,38 @@ def load_azure_trace(path: str | Path, limit: int | None = None) -> list[Request
     return [Request(t - start, p, o) for t, p, o in rows]
 
 
-def _seconds(timestamp: str) -> float:
+def _count(row: dict, name: str, where: str) -> int:
+    text = (row.get(name) or "").strip()
     try:
-        return float(timestamp)
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"{where}: {name} must be a whole number of tokens, got {text!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+def _seconds(timestamp: str | None, where: str) -> float:
+    """Seconds (a number) or a date and time; ``ValueError`` naming ``where`` otherwise."""
+    try:
+        return _parse_seconds(timestamp or "")
+    except ValueError:
+        raise ValueError(
+            f"{where}: TIMESTAMP {timestamp!r} is neither seconds nor a date"
+        ) from None
+
+
+def _parse_seconds(timestamp: str) -> float:
+    try:
+        seconds = float(timestamp)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(timestamp)
+        return seconds
     # "2023-11-16 18:15:46.6805900": more than 6 fractional digits is not ISO to Python; the
     # 2024 trace adds a UTC offset ("2024-05-10 00:00:00.009930+00:00").
     text, zone = timestamp.strip(), ""

@@ -1,0 +1,208 @@
+"""nano-engine profile, the step log and the fidelity harness, for real on the CPU: a profile of
+the tiny config that nano-sim loads and predicts from; the engine's own order of admission
+against the simulator's; the harness's table for two scenarios and a what-if."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nano_engine import LLM, SamplingParams
+from nano_scheduler import SchedulerConfig
+from nano_scheduler.sim import DeviceOnlyModel, Request, Simulator
+from nano_scheduler.sim.profile import Profile, read_step_log
+from nano_scheduler.sim.profiled import ProfiledCostModel
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "benchmarks" / "configs" / "tiny-qwen3.json"
+ENGINE = ["--load-format", "dummy", "--max-model-len", "256", "--max-num-seqs", "8"]
+ENGINE += ["--max-num-batched-tokens", "256"]
+
+pytest.importorskip("fastapi")
+
+
+def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, check=False, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    proc = run(
+        "-m", "nano_engine.cli", "profile", str(TINY), *ENGINE, "--quick", "--out", str(path)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile written to" in proc.stdout and "eager model on its grid" in proc.stdout
+    return path
+
+
+def test_the_profile_holds_the_engine_and_what_was_measured(profile):
+    p = Profile.load(profile)
+    engine = p.engine
+    assert (engine.block_size, engine.max_num_seqs, engine.max_num_batched_tokens) == (16, 8, 256)
+    assert engine.max_model_len == 256 and engine.num_kv_blocks > 0 and engine.async_scheduling
+    assert engine.cuda_graph_sizes == () and p.device["synchronous"]  # (the CPU: eager)
+    assert p.model["hidden_size"] == 128 and p.model["num_hidden_layers"] == 4
+    assert len(p.eager) >= 8 and all(g.seconds > 0 for g in p.eager)
+    assert set(p.sampling) == {"greedy", "random", "top_p", "logprobs", "penalties"}
+    assert set(p.host) == {"offline", "server"}
+    served = [r for r in p.host["server"] if r.num_tokens]
+    assert served and all(r.cpu is not None and r.server_cpu_at is not None for r in served)
+    assert p.server["ingress"] and p.server["egress"] and p.server["workloads"]
+    model = ProfiledCostModel(p, "server")
+    costs = model.server_costs
+    assert costs.pass_seconds(1) > 0 and costs.latency >= 0
+
+
+def test_nano_sim_predicts_from_it(profile, tmp_path):
+    out = tmp_path / "sim.json"
+    workload = ["--synthetic", "30", "--input-len", "10", "100", "--output-len", "4", "20"]
+    for frontend in ("server", "offline"):
+        proc = run(
+            "-m",
+            "nano_scheduler.sim.cli",
+            *workload,
+            "--rate",
+            "20",
+            "--profile",
+            str(profile),
+            "--frontend",
+            frontend,
+            "--json",
+            str(out),
+        )
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(out.read_text())["summary"]
+        assert summary["requests"] == 30 and summary["output_tok_per_s"] > 0
+        assert 0 < summary["ttft_s"]["p50"] < summary["e2e_s"]["p50"]
+
+
+def test_the_engine_admits_a_request_as_the_simulator_does(profile):
+    """On the CPU (a synchronous device) with async scheduling, a request that arrives while
+    iteration i computes its step is first scheduled by iteration i + 1: in the engine's own
+    step log, and in nano-sim's loop on the same clock."""
+    with LLM(str(TINY), load_format="dummy", skip_tokenizer_init=True, max_model_len=256) as llm:
+        engine = llm.engine
+        recorder = engine.record_steps()
+        first = engine.add_request([1] * 40, SamplingParams(max_tokens=60, ignore_eos=True))
+        while len(recorder.steps) < 10:
+            time.sleep(0.001)
+        time.sleep(0.0137)  # (somewhere in an iteration)
+        second = engine.add_request([2] * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+        for stream in (first, second):
+            list(stream)
+        engine.stop_recording()
+    steps = recorder.steps
+    timing = next(r for r in recorder.requests if r.id == second.request_id)
+    starts = [s.t for s in steps]
+    arrived = max(i for i, t in enumerate(starts) if t <= timing.arrival)
+    scheduled = max(i for i, t in enumerate(starts) if t <= timing.first_scheduled)
+    assert scheduled == arrived + 1
+
+    # nano-sim's loop, each step computing as long as the engine's did: the request is first
+    # scheduled by the first iteration that begins after it arrives.
+    forwards = iter([s.forward for s in steps if s.num_tokens])
+
+    class Replayed(DeviceOnlyModel):
+        synchronous = True
+
+        def step_time(self, batch):
+            return next(forwards, 1e-3)
+
+    requests = [Request(0.0, 40, 60), Request(timing.arrival - steps[0].t, 40, 3)]
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=256)
+    sim = Simulator(requests, Replayed(), config, num_blocks=1000)
+    result = sim.run()
+    late = next(r for r in result.requests if r.request == 1)
+    starts = [0.0, *result.timeline.time]  # (an iteration begins when the one before ends)
+    assert late.first_scheduled == min(t for t in starts if t >= late.arrival)
+
+
+def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
+    """The harness end to end on a small configuration: servers with step logs, the trace
+    replayed, nano-sim from the profile, the table."""
+    out = tmp_path / "fidelity"
+    proc = run(
+        str(ROOT / "benchmarks" / "sim_fidelity.py"),
+        str(TINY),
+        "--out",
+        str(out),
+        "--profile",
+        str(profile),
+        "--limit",
+        "30",
+        "--max-len",
+        "48",
+        "--load-rate",
+        "4",
+        "--saturated-rate",
+        "40",
+        "--scenarios",
+        "load,saturated,what-if",
+        "--what-if",
+        "--max-num-seqs 4 --max-num-batched-tokens 128",
+        "--processes",
+        "2",
+        "--",
+        *ENGINE,
+        "--skip-tokenizer-init",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "fidelity.json").read_text())
+    assert [r["scenario"] for r in results] == ["load", "saturated", "what-if"]
+    for result in results:
+        rows = {row["metric"]: row for row in result["rows"]}
+        assert set(rows) >= {"output tok/s", "TTFT p50", "TPOT p99", "ITL p50", "e2e p99"}
+        assert all(row["engine"] > 0 and row["nano-sim"] > 0 for row in rows.values())
+        engine = json.loads((out / result["scenario"] / "engine.json").read_text())
+        sim = json.loads((out / result["scenario"] / "nano-sim.json").read_text())
+        assert len(engine["requests"]) == len(sim["requests"]) == 30
+        log = read_step_log(out / result["scenario"] / "steps.jsonl")
+        assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
+    assert (out / "fidelity.md").read_text().startswith("| scenario | metric |")
+    assert "metrics outside their targets" in proc.stdout
+
+
+def test_bench_serving_reports_nano_sims_fields(tmp_path):
+    """The serving benchmark's JSON: nano-sim's summary keys (TPOT included) and one record
+    per request, so the two compare field by field."""
+    from server_helpers import ServerProcess
+
+    server = ServerProcess(str(TINY), *ENGINE, "--skip-tokenizer-init")
+    out = tmp_path / "serving.json"
+    try:
+        proc = run(
+            str(ROOT / "benchmarks" / "bench_serving.py"),
+            "--url",
+            server.url,
+            "--model",
+            str(TINY),
+            "--limit",
+            "12",
+            "--max-len",
+            "32",
+            "--rate-scale",
+            "20",
+            "--processes",
+            "2",
+            "--json",
+            str(out),
+            timeout=300,
+        )
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    sim_keys = {"requests", "duration_s", "output_tok_per_s", "ttft_s", "tpot_s", "itl_s", "e2e_s"}
+    assert sim_keys <= set(data["summary"]) and data["summary"]["failed"] == 0
+    assert len(data["requests"]) == 12
+    for record in data["requests"]:
+        assert 0 < record["ttft"] <= record["e2e"] and record["output_len"] <= 32
+        assert record["tpot"] is None or record["tpot"] > 0

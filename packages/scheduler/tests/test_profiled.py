@@ -1,0 +1,290 @@
+"""The calibrated model (a profile of the engine): predictions at shapes it was not measured at,
+no time <= 0, warnings far outside the profile, profiles refused for what they are not; and the
+simulated loop's order (a request that arrives while a step runs)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import warnings
+from itertools import pairwise
+
+import pytest
+from profile_helpers import (
+    BUDGET,
+    MAX_SEQS,
+    eager_seconds,
+    graph_seconds,
+    sample_seconds,
+    synthetic_profile,
+)
+
+from nano_scheduler import SchedulerConfig, cuda_graph_sizes
+from nano_scheduler.sim import BatchShape, DeviceOnlyModel, Request, Simulator
+from nano_scheduler.sim.fit import Piecewise, increasing, nnls
+from nano_scheduler.sim.profile import Profile
+from nano_scheduler.sim.profiled import ProfiledCostModel
+
+
+@pytest.fixture(scope="module")
+def model() -> ProfiledCostModel:
+    return ProfiledCostModel(synthetic_profile(), frontend="offline")
+
+
+def test_eager_steps_at_held_out_shapes_within_3_percent(model):
+    """Mixed batches of several chunks over cached prefixes beside decodes: none of them is
+    a grid point."""
+    rng = random.Random(1)
+    errors = []
+    for _ in range(400):
+        chunks = []
+        for _ in range(rng.randint(1, 4)):
+            chunks.append((rng.randint(16, BUDGET // 8), rng.choice((0, rng.randint(1, 6000)))))
+        decodes = rng.randint(0, MAX_SEQS)
+        context = decodes * rng.randint(64, 4000)
+        batch = BatchShape(chunks, [context // max(decodes, 1)] * decodes, len(chunks) + decodes)
+        truth = eager_seconds(chunks, decodes, batch.decode_context)
+        errors.append(model.forward_time(batch) / truth - 1)
+    worst = max(abs(e) for e in errors)
+    assert worst < 0.03, f"worst relative error {worst:.1%}"
+
+
+def test_graph_decodes_and_sampling_at_held_out_shapes_within_3_percent(model):
+    """Decode batches of any size (padded to the graph that holds them) and context."""
+    rng = random.Random(2)
+    sizes = cuda_graph_sizes(MAX_SEQS)
+    for _ in range(300):
+        n = rng.randint(1, MAX_SEQS)
+        contexts = [rng.randint(20, 8000) for _ in range(n)]
+        padded = next(s for s in sizes if s >= n)
+        truth = graph_seconds(padded, sum(contexts))
+        assert model.forward_time(BatchShape([], contexts, n)) == pytest.approx(truth, rel=0.03)
+        assert model.sample_time(n) == pytest.approx(sample_seconds(n), rel=0.03)
+
+
+def test_a_what_if_graph_size_between_profiled_ones(model):
+    """max_num_seqs 40 captures a graph of 40 rows, which the profile (64) never ran: its time
+    lies between the neighbouring sizes'."""
+    what_if = ProfiledCostModel(synthetic_profile(), frontend="offline", max_num_seqs=40)
+    assert what_if.graph_sizes == cuda_graph_sizes(40) and 40 in what_if.graph_sizes
+    batch = BatchShape([], [1000] * 40, 40)
+    assert what_if.forward_time(batch) == pytest.approx(graph_seconds(40, 40_000), rel=0.03)
+
+
+def test_no_time_is_zero_or_negative(model):
+    tiny = [
+        BatchShape([(1, 0)], [], 1),
+        BatchShape([], [1], 1),
+        BatchShape([(1, 0)], [1], 2),
+        BatchShape([(16, 0)], [], 0),
+    ]
+    for batch in tiny:
+        cost = model.step_cost(batch)
+        assert model.forward_time(batch) > 0 and sum(cost) > 0
+        assert all(part >= 0 for part in cost)
+    assert min(model.resolve_cost(0, 0, 0)) >= 0
+
+
+def test_far_outside_the_profile_warns_once(model):
+    huge = BatchShape([(BUDGET * 4, 0)], [], 1)
+    with pytest.warns(RuntimeWarning, match="tokens in a step .* far beyond"):
+        assert model.forward_time(huge) > model.forward_time(BatchShape([(BUDGET, 0)], [], 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.forward_time(huge)  # (warned once already)
+        model.forward_time(BatchShape([(BUDGET, 0)], [], 1))  # within the profile: no warning
+
+
+def test_nnls_meets_its_optimality_conditions():
+    """Non-negative least squares (the KKT conditions): every coefficient >= 0, the gradient
+    of the squared error zero where a coefficient is positive and >= 0 where it is zero."""
+    rng = random.Random(3)
+    for _ in range(50):
+        cols = rng.randint(1, 6)
+        rows = [[rng.uniform(0, 2) for _ in range(cols)] for _ in range(rng.randint(cols, 30))]
+        targets = [rng.uniform(-1, 3) for _ in rows]
+        x = nnls(rows, targets)
+        residual = [sum(a * b for a, b in zip(r, x)) - t for r, t in zip(rows, targets)]
+        for j in range(cols):
+            gradient = sum(r[j] * e for r, e in zip(rows, residual))
+            assert x[j] >= 0 and gradient >= -1e-6
+            assert x[j] == 0 or abs(gradient) < 1e-6
+
+
+def test_monotone_fit_and_interpolation():
+    assert increasing([(1, 1.0, 1), (2, 2.0, 1), (3, 5.0, 1)]) == [(1, 1.0), (2, 2.0), (3, 5.0)]
+    # A dip pools with its neighbour into their weighted mean, at their weighted mean x.
+    assert increasing([(1, 1.0, 1), (2, 4.0, 3), (3, 2.0, 1)]) == [(1, 1.0), (2.25, 3.5)]
+    rng = random.Random(4)
+    fit = increasing([(x, rng.uniform(0, 10), rng.randint(1, 5)) for x in range(40)])
+    assert all(b[1] >= a[1] and b[0] > a[0] for a, b in pairwise(fit))
+    curve = Piecewise([(1, 2.0), (3, 4.0)])
+    assert (curve(0), curve(2), curve(5)) == (2.0, 3.0, 6.0)  # flat below, the trend above
+    assert Piecewise([(1, 2.0)])(9) == 2.0
+
+
+# ---- the loop's order --------------------------------------------------------------------------
+
+
+class FixedSteps(DeviceOnlyModel):
+    """Every step takes 10 ms of the device, nothing of the host."""
+
+    def __init__(self, synchronous: bool) -> None:
+        self.synchronous = synchronous
+
+    def step_time(self, batch: BatchShape) -> float:
+        return 0.010
+
+
+def run_two(synchronous: bool):
+    """A request at t=0, another at 15 ms: while the device runs step 1 ([10, 20] ms)."""
+    requests = [Request(0.0, 32, 30), Request(0.015, 32, 5)]
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    sim = Simulator(requests, FixedSteps(synchronous), config, num_blocks=64)
+    return {r.request: r for r in sim.run().requests}
+
+
+def test_async_scheduling_admits_a_request_two_steps_after_the_one_running():
+    """Iteration k (from k=1) starts at 10 (k - 1) ms, when step k - 1 starts on the device,
+    and schedules step k: a request arriving while the device runs step 1 is first scheduled
+    by iteration 3 (at 20 ms), and its token, from step 3 ([30, 40] ms), is out at 40 ms."""
+    second = run_two(synchronous=False)[1]
+    assert second.first_scheduled == pytest.approx(0.020)
+    assert second.first_token == pytest.approx(0.040)
+
+
+def test_a_synchronous_device_admits_it_one_step_later():
+    """On a synchronous device (the CPU) iteration k computes step k itself, [10 k, 10 k + 10]:
+    arriving during step 1, the request is in step 2; with async scheduling that step's token
+    is read by iteration 3, out at its end (40 ms)."""
+    second = run_two(synchronous=True)[1]
+    assert second.first_scheduled == pytest.approx(0.020)
+    assert second.first_token == pytest.approx(0.040)
+
+
+# ---- bad profiles ------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def profile_file(tmp_path):
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    return path
+
+
+def test_a_saved_profile_loads_back(profile_file):
+    loaded = Profile.load(profile_file)
+    assert loaded.engine == synthetic_profile().engine
+    assert len(loaded.eager) == len(synthetic_profile().eager)
+
+
+def test_a_truncated_profile_is_refused(profile_file):
+    text = profile_file.read_text()
+    profile_file.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="not a complete JSON profile"):
+        Profile.load(profile_file)
+
+
+def test_a_hand_edited_profile_is_refused(profile_file):
+    data = json.loads(profile_file.read_text())
+    data["engine"]["num_kv_blocks"] = 10
+    profile_file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="checksum does not match"):
+        Profile.load(profile_file)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["eager"][0].update(seconds=-1.0), r"eager\[0\].seconds must be > 0"),
+        (lambda d: d["eager"][3].update(seconds="fast"), r"eager\[3\].seconds must be a finite"),
+        (lambda d: d["engine"].pop("block_size"), r"engine lacks \['block_size'\]"),
+        (lambda d: d["decode_graphs"][0].update(decodes=[3, 100]), "not a decode batch of"),
+        (lambda d: d["host"]["offline"][2].update(schedule=float("nan")), "must be a finite"),
+        (lambda d: d.update(format="something-else"), "not a nano-engine-profile"),
+    ],
+)
+def test_a_profile_with_bad_values_names_them(profile_file, edit, message):
+    """Even with a checksum that matches (written by other code than nano-engine profile)."""
+    from nano_scheduler.sim.profile import _checksum
+
+    data = json.loads(profile_file.read_text())
+    edit(data)
+    data["checksum"] = _checksum(data)
+    profile_file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        Profile.load(profile_file)
+
+
+def test_a_profile_of_another_model_is_refused(profile_file):
+    other = dict(synthetic_profile().model, hidden_size=4096, num_hidden_layers=36)
+    with pytest.raises(ValueError, match=r"another model: num_hidden_layers 36 .*hidden_size"):
+        Profile.load(profile_file).check_model(other)
+
+
+# ---- nano-sim with a profile -------------------------------------------------------------------
+
+
+def nano_sim(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nano_scheduler.sim.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_nano_sim_predicts_from_a_profile_with_the_profiles_settings(profile_file, tmp_path):
+    out = tmp_path / "sim.json"
+    workload = ("--synthetic", "40", "--input-len", "10", "300", "--output-len", "5", "40")
+    proc = nano_sim(*workload, "--rate", "50", "--profile", str(profile_file))
+    assert proc.returncode == 2 and "no 'server' host measurements" in proc.stderr
+    proc = nano_sim(
+        *workload,
+        "--rate",
+        "50",
+        "--profile",
+        str(profile_file),
+        "--frontend",
+        "offline",
+        "--max-num-seqs",
+        "16",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "with the profile of synthetic" in proc.stdout
+    assert "60000 KV blocks of 16 tokens" in proc.stdout  # (the profile's)
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests"] == 40 and data["summary"]["batch_size"]["max"] <= 16
+    records = data["requests"]
+    assert [r["request"] for r in records] == list(range(40))
+    assert all(0 < r["ttft"] <= r["e2e"] and r["queueing"] >= 0 for r in records)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--block-size", "32"), "measured with KV blocks of 16 tokens, not 32"),
+        (("--gpu", "h100"), "--gpu would be ignored with --profile"),
+        (("--step-overhead-ms", "1"), "--step-overhead-ms would be ignored with --profile"),
+        (("--sampling", "top_p"), "no 'top_p' sampling costs"),
+    ],
+)
+def test_nano_sim_refuses_what_a_profile_cannot_answer(profile_file, args, message):
+    workload = ("--synthetic", "5", "--frontend", "offline")
+    proc = nano_sim(*workload, "--profile", str(profile_file), *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_nano_sim_checks_the_model_against_the_profile(profile_file, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(synthetic_profile().model, intermediate_size=4096)))
+    proc = nano_sim(
+        "--synthetic", "5", "--profile", str(profile_file), "--model-config", str(config)
+    )
+    assert proc.returncode == 2 and "intermediate_size 4096 (profiled: 3072)" in proc.stderr
+    proc = nano_sim("--synthetic", "5", "--frontend", "offline", "--model-config", str(config))
+    assert proc.returncode == 2 and "--frontend needs --profile" in proc.stderr
