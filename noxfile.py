@@ -23,7 +23,7 @@ PACKAGES = [
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
 TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx")
 # nano-engine[serve]
-SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client")
+SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client", "httpx")
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"

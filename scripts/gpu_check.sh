@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [tests|bench|all] [extra nano-engine bench arguments]
 #   (modes combine with commas: tests,serve)
 #   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark; first run
-#   scripts/fetch_server_wheels.sh here and carry .whl/, and the trace in .exp/)
+#   scripts/fetch_server_wheels.sh here and carry .whl/; the trace: benchmarks/traces)
 #   scripts/gpu_check.sh install   (only the install, before one's own commands)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,12 +48,12 @@ fi
 
 if [[ ,$WHAT, == *,serve,* ]]; then
   # The serving benchmark: the server's pure-Python dependencies travel as wheels in .whl/
-  # (that machine has no network), the trace in $TRACE.
+  # (that machine has no network); the trace is $TRACE.
   if [[ -d .whl ]]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
   fi
-  TRACE=${TRACE:-.exp/azure_llm_2023_conv.csv}
+  TRACE=${TRACE:-benchmarks/traces/azure_llm_2023_conv.csv}
   nano-engine -v serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
     --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \
     > "$OUT/server.log" 2>&1 &
