@@ -26,16 +26,11 @@ import argparse
 import csv
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from nano_engine.parallel import free_port
-from nano_engine.replay import Target, replay
+from nano_engine.replay import ServedEngine, Target, replay
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
 from nano_scheduler.sim.cli import main as nano_sim
 from nano_scheduler.sim.metrics import nan_to_none, summarize
@@ -95,61 +90,15 @@ def capacity(profile: Path, trace: Path, workdir: Path) -> float:
     return saturated["output_tok_per_s"] / offered
 
 
-class Server:
-    """``nano-engine serve`` in a subprocess on a free port, until stopped."""
-
-    def __init__(self, model: str, engine_args: list[str], log: Path, step_log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log.open("w")
-        command = [sys.executable, "-m", "nano_engine.cli", "-v", "serve", model]
-        command += [
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            "sim",
-            "--step-log",
-            str(step_log),
-        ]
-        self.proc = subprocess.Popen(
-            [*command, *engine_args], stdout=self.log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"the server did not become healthy: see {log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
     workdir = args.out / name
     workdir.mkdir(parents=True, exist_ok=True)
     requests = scale_arrivals(load_azure_trace(trace), rate)
-    server = Server(
-        args.model, [*args.engine_args, *overrides], workdir / "server.log", workdir / "steps.jsonl"
-    )
-    try:
-        target = Target(server.url, "sim", vocab=args.vocab, request_ids=name)
+    options = [*args.engine_args, *overrides]
+    log, output = workdir / "steps.jsonl", workdir / "server.log"
+    with ServedEngine(args.model, options, log, output, "sim") as url:
+        target = Target(url, "sim", vocab=args.vocab, request_ids=name)
         run = replay(target, requests, args.processes)
-    finally:
-        server.stop()
     records, gaps = run.nano_sim_records()
     engine = {**summarize(records, gaps), "failed": len(run.failures)}
     engine["client_cpu_share"] = run.cpu_share

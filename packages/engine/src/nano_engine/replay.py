@@ -15,10 +15,15 @@ workload compare field by field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nano_scheduler.sim.metrics import RequestRecord
 from nano_scheduler.sim.workload import Request
@@ -47,6 +52,51 @@ class ClientRecord:
             self.prompt_tokens,
             self.tokens,
         )
+
+
+class ServedEngine:
+    """``nano-engine serve MODEL [options]`` in a subprocess on a free port, its step log
+    written to ``step_log``, its output to ``output``; ``with`` it: the server's URL once it
+    is healthy; SIGTERM at the end (the step log is written out)."""
+
+    def __init__(
+        self, model: str, options: list[str], step_log: Path, output: Path, name: str = "served"
+    ) -> None:
+        from nano_engine.parallel import free_port
+
+        self.port, self.output = free_port(), Path(output)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "nano_engine.cli", "-v", "serve", model, *options]
+        self.command += ["--port", str(self.port), "--served-model-name", name]
+        self.command += ["--step-log", str(step_log)]
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.log = self.output.open("w")
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900  # (a large model loads and compiles first)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                tail = self.output.read_text()[-2000:]
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self.url
+            time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError(f"the server did not become healthy in 15 minutes: see {self.output}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
 
 
 @dataclass(frozen=True)

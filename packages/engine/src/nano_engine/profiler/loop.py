@@ -10,20 +10,16 @@ token received).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import queue
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from nano_engine.config import EngineConfig
-from nano_engine.replay import Target, client_pool, replay
+from nano_engine.replay import ServedEngine, Target, client_pool, replay
 from nano_scheduler import SamplingParams
 from nano_scheduler.sim.profile import StepRecord, read_step_log
 from nano_scheduler.sim.workload import Request
@@ -107,7 +103,10 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
     egress samples, the first request's extra time, and each workload's span of the log."""
     with tempfile.TemporaryDirectory(prefix="nano-engine-profile-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
-        with _Serve(config, step_log, Path(tmp) / "server.log") as url:
+        from nano_engine.cli import engine_flags
+
+        options = engine_flags(config)
+        with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
             target = Target(url, "profile", vocab=work.vocab)
             sweep = work.sweep()
             # The mixed workload arriving at 40% of the rate the engine served it offline
@@ -136,49 +135,6 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)
     return log.steps, costs
-
-
-class _Serve:
-    """``nano-engine serve`` with ``config`` in a subprocess on a free port, its step log
-    on, until the block ends (SIGTERM: the log is written out)."""
-
-    def __init__(self, config: EngineConfig, step_log: Path, output: Path) -> None:
-        from nano_engine.cli import engine_flags
-        from nano_engine.parallel import free_port
-
-        self.port, self.output = free_port(), output
-        self.command = [sys.executable, "-m", "nano_engine.cli", "-v", "serve", config.model]
-        self.command += [*engine_flags(config), "--port", str(self.port)]
-        self.command += ["--served-model-name", "profile", "--step-log", str(step_log)]
-
-    def __enter__(self) -> str:
-        import httpx
-
-        self.log = self.output.open("w")
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                tail = self.output.read_text()[-2000:]
-                raise RuntimeError(f"the profile's server exited ({self.proc.returncode}): {tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return url
-            time.sleep(0.3)
-        self.__exit__()
-        raise RuntimeError("the profile's server did not become healthy in 15 minutes")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _workload_cpu(steps: list[StepRecord], spans: list[list[float]]) -> list[list[float]]:
