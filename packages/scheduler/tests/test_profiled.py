@@ -288,3 +288,44 @@ def test_nano_sim_checks_the_model_against_the_profile(profile_file, tmp_path):
     assert proc.returncode == 2 and "intermediate_size 4096 (profiled: 3072)" in proc.stderr
     proc = nano_sim("--synthetic", "5", "--frontend", "offline", "--model-config", str(config))
     assert proc.returncode == 2 and "--frontend needs --profile" in proc.stderr
+
+
+def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monkeypatch):
+    """The fast path (runs of identical decode steps, the scheduler called once after) gives
+    what stepping through the scheduler gives, within the context's growth over a run."""
+    from nano_scheduler.sim import synthetic
+    from nano_scheduler.sim.host import ServerCosts
+
+    profile = synthetic_profile()
+    config = SchedulerConfig(
+        max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, max_model_len=4096
+    )
+    server = ServerCosts(3e-4, 1e-7, ((1, 1e-4), (64, 2e-3)), 1e-4)
+
+    def simulate():
+        model = ProfiledCostModel(profile, frontend="offline")
+        requests = synthetic(120, (20, 600), (20, 300), rate=40, seed=5)
+        return Simulator(requests, model, config, num_blocks=20_000, server=server).run()
+
+    runs = []  # (steps each fast run covered)
+    real = Simulator._steady_decodes
+
+    def counted(*args):
+        clocks = real(*args)
+        if clocks is not None:
+            runs.append(clocks[3])
+        return clocks
+
+    monkeypatch.setattr(Simulator, "_steady_decodes", counted)
+    fast = simulate()
+    skipped = fast.num_steps
+    monkeypatch.setattr(Simulator, "_steady_decodes", lambda *a: None)
+    slow = simulate()
+    assert sum(runs) > slow.num_steps / 10  # (the fast path did run, often)
+    assert skipped == pytest.approx(slow.num_steps, rel=0.01)
+    a, b = fast.summary(), slow.summary()
+    assert a["requests"] == b["requests"] == 120
+    for key in ("output_tok_per_s", "duration_s"):
+        assert a[key] == pytest.approx(b[key], rel=0.01)
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert a[key]["p50"] == pytest.approx(b[key]["p50"], rel=0.02), key
