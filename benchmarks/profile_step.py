@@ -2,9 +2,8 @@
 weights, 256 sequences of a given context), on the GPU:
 
   host   StepInput.of + the runner's input tensors
-  graph  the CUDA graph replay of the model (attention, matmuls, norms)
-  logits the LM head on the sampled rows
-  sample the sampler (temperature 0.6, as in the benchmark)
+  graph  the CUDA graph replay: inputs unpacked, the model, the LM head, the fused draw
+  sample the sampler outside the graph (temperature 0.6, as in the benchmark)
 and the same decode step's model under torch.profiler (top kernels).
 
     python benchmarks/profile_step.py [--context 512] [--batch 256]
@@ -60,21 +59,22 @@ def main() -> None:
         prefills, decodes = [], seqs
 
     step = StepInput.of(Decodes)
-    _, _, ctx = runner.tensors(step)
     graph_size = next(s for s in runner.graphs.sizes if s >= args.batch)
     graph = runner.graphs.graphs[graph_size][0]
-    hidden, _ = runner.graphs.run(step)
-    logits = runner.model.compute_logits(hidden, ctx)
+    fused = sampler.fused_rows(seqs)
+    logits, _ = runner.graphs.run(step)
     batch = sampler.prepare(seqs)
     rows = {
         "host: StepInput.of": timed(lambda: StepInput.of(Decodes)),
-        "host+copy: runner.tensors": timed(lambda: runner.tensors(step)),
-        "graph replay (model)": timed(graph.replay),
-        "graphs.run (tensors + copies + replay)": timed(lambda: runner.graphs.run(step)),
-        "LM head": timed(lambda: runner.model.compute_logits(hidden, ctx)),
+        "host+copy: runner.tensors (eager inputs)": timed(lambda: runner.tensors(step)),
+        "graph replay (inputs, model, LM head, draw)": timed(graph.replay),
+        "graphs.run (staging + replay)": timed(lambda: runner.graphs.run(step, None, fused)),
+        "sampler.fused_rows": timed(lambda: sampler.fused_rows(seqs)),
         "sampler.prepare": timed(lambda: sampler.prepare(seqs)),
-        "sampler": timed(lambda: sampler(logits, batch)),
-        "runner.execute + sampler": timed(lambda: sampler(runner.execute(step), batch)),
+        "sampler (outside the graph)": timed(lambda: sampler(logits, batch)),
+        "runner.execute, fused draw in the graph": timed(
+            lambda: sampler.drawn(runner.execute(step, None, fused).tokens).result()
+        ),
     }
     kv_bytes = args.batch * args.context * runner.layout.bytes_per_block / 16
     print(
@@ -85,8 +85,7 @@ def main() -> None:
         print(f"  {name:42} {value:8.3f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            runner.execute(step)
-            sampler(logits, batch)
+            runner.execute(step, None, fused)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     llm.shutdown()

@@ -250,3 +250,25 @@ def test_tp2_on_two_gpus_a_failure_ends_in_an_error_not_a_hang(checkpoints, fail
     with LLM(path, **options) as llm:
         greedy = SamplingParams(temperature=0, max_tokens=4)
         assert len(llm.generate("again", greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_a_graph_draws_the_tokens_the_sampler_would(checkpoints):
+    """A decode CUDA graph draws the tokens itself when every row takes the fused pass; beside a
+    request with logprobs the sampler draws them after the graph. A seeded request gets the
+    same tokens either way (same batch size, so the same graph and logits)."""
+    path = checkpoints("qwen3", dtype=torch.bfloat16)
+    prompt = sample_prompts()[0]
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=32, ignore_eos=True)
+    drawn_in_graph = SamplingParams(temperature=0.9, max_tokens=32, ignore_eos=True)
+    sampler_after = SamplingParams(temperature=0.9, max_tokens=32, ignore_eos=True, logprobs=1)
+    with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
+        assert llm.engine.runner.graphs is not None
+        fused = llm.generate([prompt, prompt], [seeded, drawn_in_graph], use_tqdm=False)
+        eager = llm.generate([prompt, prompt], [seeded, sampler_after], use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        in_graph = llm.generate([prompt], greedy, use_tqdm=False)
+        with_logprobs = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+        outside = llm.generate([prompt], with_logprobs, use_tqdm=False)
+    assert fused[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+    assert len(set(fused[0].outputs[0].token_ids)) > 1
+    assert in_graph[0].outputs[0].token_ids == outside[0].outputs[0].token_ids

@@ -149,3 +149,39 @@ def test_logprobs_of_the_sampled_and_top_tokens():
     best = reference.topk(3)
     assert [t for t, _ in lp.top] == best.indices.tolist()
     assert logprobs[1] is None
+
+
+def test_fused_rows_only_for_batches_the_fused_pass_draws_alone(monkeypatch):
+    """``fused_rows``: the inputs a CUDA graph draws with, only when every row needs nothing
+    but the fused pass; a seeded row's seed is the one ``prepare`` gives it."""
+    from nano_engine import gumbel
+
+    monkeypatch.setattr(gumbel, "available", lambda device: True)
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    plain = [
+        Sequence(0, [1, 2], SamplingParams(temperature=0)),
+        Sequence(1, [1, 2], SamplingParams(temperature=0.5, seed=7)),
+        Sequence(2, [1, 2], SamplingParams(temperature=2.0, top_k=VOCAB)),  # top-k off
+    ]
+    rows = sampler.fused_rows(plain)
+    assert rows.inv_temperature == [0.0, 2.0, 0.5]
+    batch = sampler.prepare(plain)
+    assert rows.seeds[1] == int(batch.seeds[1])
+    assert all(0 <= s < 2**53 for s in rows.seeds)
+    for params in (
+        SamplingParams(temperature=0.5, top_p=0.9),
+        SamplingParams(temperature=0.5, top_k=5),
+        SamplingParams(temperature=0.5, min_p=0.1),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0.5, repetition_penalty=1.2),
+        SamplingParams(temperature=0.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.5, presence_penalty=0.5),
+    ):
+        assert sampler.fused_rows([*plain, Sequence(3, [1, 2], params)]) is None, params
+    masked = Sequence(4, [1, 2], SamplingParams(temperature=0.5, min_tokens=2))
+    masked.stop_token_ids = frozenset({7})
+    assert sampler.fused_rows([masked]) is None
+    masked.token_ids += [3, 4]  # min_tokens reached: no mask any more
+    assert sampler.fused_rows([masked]) is not None
+    monkeypatch.setattr(gumbel, "available", lambda device: False)
+    assert Sampler(torch.device("cpu"), VOCAB).fused_rows(plain) is None

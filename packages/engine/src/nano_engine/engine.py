@@ -129,7 +129,7 @@ class LLMEngine:
             tp = init_group(0, config.tensor_parallel_size, self.workers.port, device)
         try:
             self.runner = ModelRunner(config, mc, device, tp, self.max_model_len)
-            self.sampler = Sampler(self.runner.device, mc.vocab_size)
+            self.sampler = Sampler(self.runner.device, mc.vocab_size, self.runner.staging)
             self.sampler.warm_up(self.runner.dtype)
             self.block_manager = BlockManager(
                 self.runner.num_blocks, config.kvcache_block_size, config.enable_prefix_caching
@@ -425,12 +425,17 @@ class LLMEngine:
             tokens = previous.sampled.tokens if previous else None
             clock.mark("schedule")
             log.mark(0)
+            # A decode step in a CUDA graph draws its tokens there, when every row can.
+            fused = (
+                None if self.runner.is_eager(out) else self.sampler.fused_rows(out.sampling_seqs)
+            )
             if self.workers is not None:
                 # Until this rank has launched the step, a worker may wait in a collective
                 # that this rank will never join (should it fail in between).
                 self._apart = True
                 self.workers.send(step, tokens)
-            logits = self.runner.execute(step, tokens)
+            result = self.runner.execute(step, tokens, fused)
+            drawn = self.sampler.drawn(result.tokens) if result.tokens is not None else None
             self._apart = False
             log.mark(1)
             clock.mark("launch", device="forward")
@@ -444,11 +449,13 @@ class LLMEngine:
         current = None
         if not out.is_empty:
             seqs = out.sampling_seqs
-            batch = self.sampler.prepare(seqs)
-            clock.mark("sample")
-            log.mark(2)
-            sampled = self.sampler.sample(logits, batch)
-            log.mark(3)
+            sampled = drawn
+            if sampled is None:
+                batch = self.sampler.prepare(seqs)
+                clock.mark("sample")
+                log.mark(2)
+                sampled = self.sampler.sample(result.logits, batch)
+                log.mark(3)
             clock.mark("sample", device="sample_device")
             rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
             current = _InFlight(sampled, self.scheduler.advance(out), rows, log)

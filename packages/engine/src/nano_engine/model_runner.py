@@ -12,10 +12,13 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from nano_engine.config import EngineConfig
+from nano_engine.cuda_graphs import DecodeGraphs
+from nano_engine.staging import PinnedStaging
 from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
@@ -24,7 +27,7 @@ from nano_models.config import DTYPES
 from nano_models.context import longest_first
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
-from nano_scheduler import PENDING_TOKEN, SchedulerOutput, cuda_graph_sizes
+from nano_scheduler import PENDING_TOKEN, SchedulerOutput
 
 log = logging.getLogger("nano_engine")
 
@@ -76,6 +79,14 @@ class StepInput:
         return cls(
             ids, query_lens, seq_lens, tables, len(out.prefills), rows, positions, pending_rows
         )
+
+
+class StepResult(NamedTuple):
+    """What ``ModelRunner.execute`` returns: the logits of the sampled rows [S, vocab] (rank 0;
+    None elsewhere) and, when a CUDA graph drew them, the tokens [S] int64 on the device."""
+
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,6 +150,7 @@ class ModelRunner:
             "rank %d: attention backend %s (asked: %s)", tp.rank, backend, config.attention_backend
         )
         self.graphs: DecodeGraphs | None = None
+        self.staging = PinnedStaging(device) if device.type == "cuda" else None
         attn = self.model.attention_layers[0]
         self.layout = KVCacheLayout(
             model_config.num_hidden_layers,
@@ -164,7 +176,9 @@ class ModelRunner:
         )
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.supports_cuda_graphs:
-                self.graphs = DecodeGraphs(self, config.max_num_seqs)
+                self.graphs = DecodeGraphs(
+                    self, config.max_num_seqs, self.staging, sample=tp.rank == 0
+                )
             else:
                 log.info(
                     "attention backend %s cannot run in CUDA graphs: eager decode",
@@ -217,7 +231,7 @@ class ModelRunner:
             next_block += count
         ids = [0] * sum(lens)
         rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        logits = self.execute(StepInput(ids, lens, lens, tables, len(lens), rows))
+        logits = self.execute(StepInput(ids, lens, lens, tables, len(lens), rows)).logits
         if logits is not None:  # the sampler's working set at the largest batch
             probs = torch.softmax(logits.float(), -1)
             probs.sort(dim=-1, descending=True)
@@ -317,11 +331,10 @@ class ModelRunner:
         for table in step.block_tables:
             flat.extend(table)
             flat.extend(pad[len(table) :])
-        packed = torch.frombuffer(flat, dtype=torch.int32)
-        if self.device.type == "cuda":  # pinned: the copy does not wait for the running step
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        if self.staging is not None:  # pinned: the copy does not wait for the running step
+            packed = self.staging.copy(flat)
         else:
-            packed = packed.clone()
+            packed = torch.frombuffer(flat, dtype=torch.int32).clone()
         t, num_pending = len(step.input_ids), len(step.pending_rows)
         sizes = [t, num_seqs + 1, num_seqs, num_seqs, len(step.logits_rows)]
         sizes += [num_pending, num_pending, num_decodes, num_seqs * width]
@@ -350,104 +363,14 @@ class ModelRunner:
         return ids, positions, ctx
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, previous: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the model on a step; the logits of its sampled rows (rank 0; None elsewhere).
-        ``previous``: the previous step's sampled tokens [S] on the device (async scheduling)."""
+    def execute(
+        self, step: StepInput, previous: torch.Tensor | None = None, sampling=None
+    ) -> StepResult:
+        """Run the model on a step. ``previous``: the previous step's sampled tokens [S] on the
+        device (async scheduling); ``sampling``: the rows' ``FusedRows`` when they all take the
+        sampler's fused pass, which a decode CUDA graph then runs too."""
         if self.graphs is not None and step.num_prefills == 0 and self.graphs.fits(step):
-            hidden, ctx = self.graphs.run(step, previous)
-        else:
-            ids, positions, ctx = self.tensors(step, previous)
-            hidden = self.model(ids, positions, ctx)
-        return self.model.compute_logits(hidden, ctx)
-
-
-class DecodeGraphs:
-    """CUDA graphs of decode-only steps for batch sizes 1, 2, 4, 8, 16, 32, ... up to
-    max_num_seqs, sharing one memory pool; a batch runs in the smallest graph that fits it,
-    padded with rows that write nowhere (slot -1) and are never read."""
-
-    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
-        self.runner = runner
-        self.sizes = cuda_graph_sizes(max_num_seqs)
-        self.width = -(-runner.max_model_len // runner.block_size)
-        biggest = self.sizes[-1]
-        dev = runner.device
-        self.ids = torch.zeros(biggest, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(biggest, dtype=torch.int64, device=dev)
-        self.slots = torch.full((biggest,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(biggest, dtype=torch.int32, device=dev)
-        self.tables = torch.full((biggest, self.width), -1, dtype=torch.int32, device=dev)
-        self.qsl = torch.arange(biggest + 1, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(biggest, dtype=torch.int64, device=dev)
-        self.order = torch.arange(biggest, dtype=torch.int32, device=dev)
-        self.identity = torch.arange(biggest, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardContext]] = {}
-        start = time.perf_counter()
-        pool = None
-        model = runner.model
-        try:
-            for size in reversed(self.sizes):
-                ctx = self._context(size)
-                with torch.inference_mode():
-                    model(self.ids[:size], self.positions[:size], ctx)  # warm-up (compilation)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = model(self.ids[:size], self.positions[:size], ctx)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[size] = (graph, hidden, ctx)
-            torch.cuda.synchronize(dev)
-        except BaseException:  # (the traceback would keep them, and NCCL waits for them)
-            self.release()
-            raise
-        log.info(
-            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s",
-            len(self.sizes),
-            self.sizes[0],
-            biggest,
-            time.perf_counter() - start,
-        )
-
-    def _context(self, size: int) -> ForwardContext:
-        return ForwardContext(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decodes=size,
-            query_start_loc=self.qsl[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.tables[:size],
-            slot_mapping=self.slots[:size],
-            logits_indices=self.rows[:size],
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[0] * size,
-            max_query_len=1,
-            max_seq_len=self.runner.max_model_len,
-            decode_order=self.order[:size],
-        )
-
-    def fits(self, step: StepInput) -> bool:
-        return len(step.query_lens) <= self.sizes[-1]
-
-    def release(self) -> None:
-        for graph, _, _ in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-
-    def run(
-        self, step: StepInput, previous: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, ForwardContext]:
-        batch = len(step.query_lens)
-        size = next(s for s in self.sizes if s >= batch)
-        ids, positions, ctx = self.runner.tensors(step, previous)
-        self.ids[:batch].copy_(ids)
-        self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(ctx.slot_mapping)
-        self.slots[batch:size].fill_(-1)
-        self.seq_lens[:batch].copy_(ctx.seq_lens)
-        self.seq_lens[batch:size].fill_(0)
-        self.order[:batch].copy_(ctx.decode_order)
-        self.order[batch:size].copy_(self.identity[batch:size])  # the padding rows, once each
-        width = ctx.block_tables.shape[1]
-        self.tables[:batch, :width].copy_(ctx.block_tables)
-        graph, hidden, _ = self.graphs[size]
-        graph.replay()
-        return hidden[:batch], ctx
+            return StepResult(*self.graphs.run(step, previous, sampling))
+        ids, positions, ctx = self.tensors(step, previous)
+        hidden = self.model(ids, positions, ctx)
+        return StepResult(self.model.compute_logits(hidden, ctx))

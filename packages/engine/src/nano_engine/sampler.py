@@ -15,12 +15,15 @@ the same tokens in any batch.
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from nano_engine import gumbel
 from nano_engine.outputs import Logprob
+from nano_engine.staging import PinnedStaging
 from nano_scheduler import SamplingParams, Sequence
 
 
@@ -48,12 +51,57 @@ class SamplingBatch:
     num_filtered: int = 0
 
 
+class FusedRows(NamedTuple):
+    """A batch whose every row takes the fused pass and nothing else: its per-row inputs, for a
+    decode CUDA graph to draw the tokens itself."""
+
+    inv_temperature: list[float]  # 0 for greedy rows
+    seeds: list[int]  # Philox seeds, 53 bits
+
+
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int) -> None:
+    def __init__(
+        self, device: torch.device, vocab_size: int, staging: PinnedStaging | None = None
+    ) -> None:
         self.device, self.vocab_size = device, vocab_size
         self._generators: dict[int, torch.Generator] = {}
         self.fused = gumbel.available(device)
         self._rng = random.Random(torch.initial_seed())  # unseeded rows' Philox seeds
+        self._staging = staging
+        if staging is None and device.type == "cuda":
+            self._staging = PinnedStaging(device)
+        self._hosts = _HostTokens() if device.type == "cuda" else None
+
+    def fused_rows(self, seqs: list[Sequence]) -> FusedRows | None:
+        """The rows' fused-pass inputs, or None when some row needs more than the fused pass
+        (top-k, top-p, min-p, logprobs, penalties, a min_tokens mask) or there is no fused pass.
+        Draws the same seeds as ``prepare`` would."""
+        if not self.fused:
+            return None
+        inv, vocab = [], self.vocab_size
+        for seq in seqs:
+            p = seq.params
+            if (
+                p.logprobs is not None
+                or p.repetition_penalty != 1
+                or p.presence_penalty
+                or p.frequency_penalty
+                or (seq.num_output_tokens < p.min_tokens and seq.stop_token_ids)
+            ):
+                return None
+            if p.temperature == 0:
+                inv.append(0.0)
+            elif 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0:
+                return None
+            else:
+                inv.append(1 / p.temperature)
+        return FusedRows(inv, [self._seed(seq) for seq in seqs])
+
+    @torch.inference_mode()  # (the host buffers may be inference tensors: made in sample)
+    def drawn(self, tokens: torch.Tensor) -> SampledTokens:
+        """The tokens a CUDA graph drew for ``fused_rows`` (their copy to the host queued now)."""
+        host = self._hosts.next(tokens.shape[0]) if self._hosts is not None else None
+        return SampledTokens(tokens, [None] * tokens.shape[0], host=host)
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the fused pass for logits [S, vocab] in the model's dtype and in float32
@@ -100,10 +148,14 @@ class Sampler:
             rows.append([0.0 if g else 1 / p.temperature for p, g in zip(params, greedy)])
             rows.append([float(self._seed(seq)) for seq in seqs])
             rows.append([float(f) for f in filtered])
-        packed = torch.tensor(rows, dtype=torch.float64)
-        if self.device.type == "cuda":  # no wait for the step the device is running
-            packed = packed.pin_memory()
-        packed = iter(packed.to(self.device, non_blocking=True).unbind(0))
+        if self._staging is not None:  # pinned: no wait for the step the device is running
+            flat = array("d")
+            for row in rows:
+                flat.extend(row)
+            packed = self._staging.copy(flat).view(len(rows), len(seqs))
+        else:
+            packed = torch.tensor(rows, dtype=torch.float64)
+        packed = iter(packed.unbind(0))
         batch = SamplingBatch(
             temperature=next(packed).float(),
             greedy=next(packed) > 0,
@@ -183,7 +235,8 @@ class Sampler:
                 fused = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds)
                 tokens = torch.where(batch.filtered, tokens, fused)
         if raw_logprobs is None:
-            return SampledTokens(tokens, batch.logprobs)
+            host = self._hosts.next(tokens.shape[0]) if self._hosts is not None else None
+            return SampledTokens(tokens, batch.logprobs, host=host)
         k = max(w for w in batch.logprobs if w is not None)
         chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
         top = (
@@ -246,13 +299,19 @@ class SampledTokens:
         tokens: torch.Tensor,
         wanted: list[int | None],
         logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        host: torch.Tensor | None = None,
     ) -> None:
+        """``host``: a pinned int64 buffer of at least S for the tokens (without logprobs)."""
         self.tokens = tokens  # [S] int64, on the device: the next step's inputs
         self._wanted = wanted
         self._host = [tokens] if logprobs is None else [tokens, *logprobs]
         self._ready = None
         if tokens.is_cuda:
-            self._host = [t.to("cpu", non_blocking=True) for t in self._host]
+            if host is not None and logprobs is None:
+                self._host = [host[: tokens.shape[0]]]
+                self._host[0].copy_(tokens, non_blocking=True)
+            else:
+                self._host = [t.to("cpu", non_blocking=True) for t in self._host]
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -272,3 +331,20 @@ class SampledTokens:
             top = list(zip(top_ids[row][:w], top_values[row][:w]))
             out.append(Logprob(token_list[row], chosen[row], top))
         return token_list, out
+
+
+class _HostTokens:
+    """Pinned buffers for sampled tokens, used in turn: a step's tokens are read (``result``)
+    before the loop launches two more steps, so three never overlap."""
+
+    def __init__(self, slots: int = 3) -> None:
+        self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(slots)]
+        self._next = 0
+
+    def next(self, rows: int) -> torch.Tensor:
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        if self._buffers[slot].numel() < rows:
+            size = max(rows, 256)
+            self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return self._buffers[slot]

@@ -108,14 +108,18 @@ class DeviceTimer:
 
     def __init__(self) -> None:
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        self.marked = [False] * 4
 
     def mark(self, i: int) -> None:
         self.events[i].record()
+        self.marked[i] = True
 
     def seconds(self) -> tuple[float, float]:
-        """(forward, sampling); the step's tokens must have arrived (the events are done)."""
+        """(forward, sampling); the step's tokens must have arrived (the events are done).
+        Sampling is 0 where a CUDA graph drew the tokens (its time is the forward's)."""
         e = self.events
-        return e[0].elapsed_time(e[1]) / 1e3, e[2].elapsed_time(e[3]) / 1e3
+        sampling = e[2].elapsed_time(e[3]) / 1e3 if all(self.marked[2:]) else 0.0
+        return e[0].elapsed_time(e[1]) / 1e3, sampling
 
 
 class StepLogEntry:
