@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ def run(running: int, waiting: int, steps: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
     gaps = [
         b[0] - a[0]
-        for a, b in zip(stamps, stamps[1:])
+        for a, b in pairwise(stamps)
         if a[2] and b[2] and a[1] >= waiting and b[1] >= waiting
     ]
     gaps = gaps[len(gaps) // 10 :]  # (past the first steps)
