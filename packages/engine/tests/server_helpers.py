@@ -13,9 +13,16 @@ import httpx
 from nano_engine.parallel import free_port
 
 
+def vllm_metric(name: str, model: str, **labels: str) -> str:
+    """The key of a vLLM metric in ``ServerProcess.metrics()``."""
+    items = ",".join(f"{k}={v}" for k, v in sorted({"model_name": model, **labels}.items()))
+    return f"vllm:{name}{{{items}}}"
+
+
 class ServerProcess:
     def __init__(self, model: str, *args: str) -> None:
         self.port = free_port()
+        self.model = model
         self.url = f"http://127.0.0.1:{self.port}"
         # A file, not a pipe: a full pipe would block the server.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in stop)
@@ -48,6 +55,9 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("the server did not become healthy")
 
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get(vllm_metric(name, self.model, **labels), 0.0)
+
     def metrics(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,11 +74,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (
-                m["nano_requests_running"],
-                m["nano_requests_waiting"],
-                m["nano_kv_cache_usage"],
-            ) == (0, 0, 0)
+            running, waiting, usage = (
+                vllm_metric(name, self.model)
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+            )
+            idle = (m[running], m[waiting], m[usage]) == (0, 0, 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)
