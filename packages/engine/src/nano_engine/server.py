@@ -317,12 +317,12 @@ class Server:
         outputs = await self._collect(streams, raw, n)
 
         def render() -> Response:
-            choices = [
+            choices = (
                 self._completion_choice(i * n + o.index, o, logprobs)
                 for i, out in enumerate(outputs)
                 for o in out.outputs
-            ]
-            return _json({**head, "choices": choices, "usage": _usage(outputs)})
+            )
+            return _json(head, choices, _usage(outputs))
 
         return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
@@ -396,7 +396,7 @@ class Server:
         outputs = await self._collect(streams, raw, params.n)
 
         def render() -> Response:
-            choices = [
+            choices = (
                 {
                     "index": o.index,
                     "message": {"role": "assistant", "content": o.text},
@@ -405,8 +405,8 @@ class Server:
                     "stop_reason": o.stop_reason,
                 }
                 for o in outputs[0].outputs
-            ]
-            return _json({**head, "choices": choices, "usage": _usage(outputs)})
+            )
+            return _json(head, choices, _usage(outputs))
 
         return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
@@ -578,8 +578,15 @@ def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _json(body: dict) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")
+def _json(head: dict, choices, usage: dict) -> Response:
+    """A response body of ``head``, the ``choices`` (an iterable of dicts: each is serialized
+    and dropped before the next is built, so that n x logprobs objects never live at once) and
+    ``usage``."""
+    parts = [json.dumps(head, ensure_ascii=False)[:-1], ', "choices": [']
+    for i, choice in enumerate(choices):
+        parts.append((", " if i else "") + json.dumps(choice, ensure_ascii=False))
+    parts.append(f'], "usage": {json.dumps(usage)}}}')
+    return Response("".join(parts).encode(), media_type="application/json")
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:
