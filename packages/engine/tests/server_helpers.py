@@ -13,6 +13,13 @@ import httpx
 from nano_engine.parallel import free_port
 
 
+def _limit_files(soft: int) -> None:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def vllm_metric(name: str, model: str, **labels: str) -> str:
     """The key of a vLLM metric in ``ServerProcess.metrics()``."""
     items = ",".join(f"{k}={v}" for k, v in sorted({"model_name": model, **labels}.items()))
@@ -20,7 +27,8 @@ def vllm_metric(name: str, model: str, **labels: str) -> str:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str) -> None:
+    def __init__(self, model: str, *args: str, open_files: int | None = None) -> None:
+        """``open_files``: the server's soft limit on open files at start."""
         self.port = free_port()
         self.model = model
         self.url = f"http://127.0.0.1:{self.port}"
@@ -40,6 +48,7 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=None if open_files is None else lambda: _limit_files(open_files),
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

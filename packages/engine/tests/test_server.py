@@ -424,34 +424,30 @@ def test_serving_benchmark_replays_the_trace(server, checkpoints, tmp_path):
     assert idle(server, server.wait_idle())
 
 
-def test_metrics_count_what_was_sent(checkpoints, llm):
-    srv = ServerProcess(checkpoints("qwen3"), "--max-model-len", "256")
-    try:
-        name = checkpoints("qwen3")
-        prompts = ["alpha", "beta gamma", "delta epsilon zeta"]
-        for p in prompts:
-            r = httpx.post(
-                f"{srv.url}/v1/completions",
-                json={"model": name, "prompt": p, "max_tokens": 5, "ignore_eos": True},
-                timeout=60,
-            )
-            assert r.status_code == 200
-        m = srv.metrics()
-
-        def metric(name: str, **labels: str) -> float:
-            return m[vllm_metric(name, name_, **labels)]
-
-        name_ = name
-        assert metric("prompt_tokens_total") == sum(
-            len(llm.tokenizer(p).input_ids) for p in prompts
+def test_metrics_count_what_was_sent(server, checkpoints, llm):
+    name = model_name(checkpoints)
+    prompts = ["alpha", "beta gamma", "delta epsilon zeta"]
+    server.wait_idle()
+    before = server.metrics()
+    for p in prompts:
+        r = post(
+            server,
+            "/v1/completions",
+            {"model": name, "prompt": p, "max_tokens": 5, "ignore_eos": True},
         )
-        assert metric("generation_tokens_total") == 15
-        assert metric("request_success_total", finished_reason="length") == 3
-        assert metric("time_to_first_token_seconds_count") == 3
-        assert metric("e2e_request_latency_seconds_count") == 3
-        assert metric("inter_token_latency_seconds_count") == 3 * 4  # (the gaps)
-    finally:
-        assert srv.stop() == 0
+        assert r.status_code == 200
+    after = server.metrics()
+
+    def grew(metric: str, **labels: str) -> float:
+        key = vllm_metric(metric, name, **labels)
+        return after[key] - before.get(key, 0)
+
+    assert grew("prompt_tokens_total") == sum(len(llm.tokenizer(p).input_ids) for p in prompts)
+    assert grew("generation_tokens_total") == 15
+    assert grew("request_success_total", finished_reason="length") == 3
+    assert grew("time_to_first_token_seconds_count") == 3
+    assert grew("e2e_request_latency_seconds_count") == 3
+    assert grew("inter_token_latency_seconds_count") == 3 * 4  # (the gaps)
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoints):

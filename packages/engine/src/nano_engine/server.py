@@ -361,9 +361,7 @@ class Server:
                     {self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
                     for lp in o.logprobs
                 ],
-                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-                if tokens
-                else [],
+                "text_offset": text_offsets(tokens),
             }
         return choice
 
@@ -560,6 +558,11 @@ def _request_id(raw: Request, body, kind: str) -> str:
     if given is not None and not 0 < len(given) <= 256:
         raise APIError(400, "the X-Request-Id header must be 1 to 256 characters")
     return given or body.request_id or f"{kind}-{uuid.uuid4().hex}"
+
+
+def text_offsets(tokens: list[str]) -> list[int]:
+    """Where each token's text starts in the completion (linear: a running sum)."""
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
 
 
 def _chars(messages) -> int:
