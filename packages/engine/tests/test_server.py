@@ -460,6 +460,11 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoints):
         "stream": True,
     }
     events = []
+    # Connections that stall (headers or body unfinished) or idle do not hold up the exit.
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    stalled = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+    stalled[0].sendall(head)
+    stalled[1].sendall(head + b"Content-Length: 100\r\n\r\n{")
     with (
         httpx.Client(timeout=120) as http,
         http.stream("POST", f"{srv.url}/v1/completions", json=body) as response,
@@ -468,10 +473,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(checkpoints):
         events.append(next(line for line in lines if line.startswith("data:")))
         srv.proc.send_signal(signal.SIGTERM)
         events += [line for line in lines if line.startswith("data:")]
+    done = time.monotonic()
     assert events[-1] == "data: [DONE]"
     finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finish[-1] == "length"
     assert srv.proc.wait(60) == 0
+    assert time.monotonic() - done < 10  # not the grace period (60 s) nor the read timeout (30 s)
+    for s in stalled:
+        s.close()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.url}/health", timeout=2)
 

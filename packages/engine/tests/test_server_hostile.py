@@ -447,3 +447,32 @@ def test_the_grace_period_ends_with_503_and_an_error_event(checkpoints):
     assert last["error"]["code"] == 503 and "grace period" in last["error"]["message"]
     assert_error(results["plain"], 503, "grace period")
     srv.log.close()
+
+
+def test_an_unexpected_failure_is_a_500_logged_on_one_escaped_line(caplog):
+    """Defect 3: client strings in the log cannot forge lines."""
+    import asyncio
+
+    from nano_engine.connections import Gate
+
+    async def failing(scope, receive, send):
+        raise RuntimeError("role user\n2026-01-01 FORGED line \ud800")
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            return messages.pop() if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/x\nFORGED", "headers": []}
+        await Gate(failing, 1024)(scope, receive, send)
+
+    with caplog.at_level("ERROR", logger="nano_engine.server"):
+        asyncio.run(run())
+    (record,) = caplog.records
+    first = record.getMessage().splitlines()[0]
+    assert "FORGED line \\ud800" in first and "/v1/x\\nFORGED" in first
+    assert not any(line.startswith(("2026-01-01", "FORGED")) for line in caplog.text.splitlines())

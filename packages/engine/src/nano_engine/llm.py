@@ -149,7 +149,7 @@ def _describe(value: object) -> str:
 
 def _prompt_list(prompts) -> list[str | list[int]]:
     """The prompts as a list: one string or token-id list, or a list / tuple of them."""
-    if isinstance(prompts, str) or _is_ids(prompts):
+    if isinstance(prompts, str) or (_is_ids(prompts) and prompts):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         for i, p in enumerate(prompts):
@@ -165,10 +165,8 @@ def _prompt_list(prompts) -> list[str | list[int]]:
 
 
 def _is_ids(value: object) -> bool:
-    return (
-        isinstance(value, (list, tuple))
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
     )
 
 
