@@ -13,9 +13,24 @@ import httpx
 from nano_engine.parallel import free_port
 
 
+def _limit_files(soft: int) -> None:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def vllm_metric(name: str, model: str, **labels: str) -> str:
+    """The key of a vLLM metric in ``ServerProcess.metrics()``."""
+    items = ",".join(f"{k}={v}" for k, v in sorted({"model_name": model, **labels}.items()))
+    return f"vllm:{name}{{{items}}}"
+
+
 class ServerProcess:
-    def __init__(self, model: str, *args: str) -> None:
+    def __init__(self, model: str, *args: str, open_files: int | None = None) -> None:
+        """``open_files``: the server's soft limit on open files at start."""
         self.port = free_port()
+        self.model = model
         self.url = f"http://127.0.0.1:{self.port}"
         # A file, not a pipe: a full pipe would block the server.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in stop)
@@ -33,6 +48,7 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=None if open_files is None else lambda: _limit_files(open_files),
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -47,6 +63,9 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("the server did not become healthy")
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get(vllm_metric(name, self.model, **labels), 0.0)
 
     def metrics(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -64,11 +83,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (
-                m["nano_requests_running"],
-                m["nano_requests_waiting"],
-                m["nano_kv_cache_usage"],
-            ) == (0, 0, 0)
+            running, waiting, usage = (
+                vllm_metric(name, self.model)
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+            )
+            idle = (m[running], m[waiting], m[usage]) == (0, 0, 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)

@@ -16,12 +16,12 @@ def test_defaults_follow_vllm():
         None,
         False,
     )
-    assert p.stop == [] and p.stop_token_ids == []
+    assert p.stop == () and p.stop_token_ids == ()
 
 
 def test_normalization():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
-    assert p.stop == ["###"] and p.top_k == 0 and p.greedy
+    assert p.stop == ("###",) and p.top_k == 0 and p.greedy
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 
@@ -30,7 +30,11 @@ def test_normalization():
     [
         ({"n": 0}, "n must be an integer >= 1"),
         ({"temperature": -0.5}, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, "temperature must be a number"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty must be a finite number"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be a bool"),
         ({"top_k": -2}, "top_k must be an integer >= 0, or -1"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
@@ -64,3 +68,23 @@ def test_every_problem_is_reported_at_once():
     for problem in ("temperature must be a number", "top_p must be in", "min_p must be a number"):
         assert problem in str(info.value)
     assert "max_tokens must be" in str(info.value)
+
+
+def test_tiny_temperatures_are_greedy_or_raised_as_in_vllm():
+    assert SamplingParams(temperature=1e-45).greedy
+    assert SamplingParams(temperature=9e-6).temperature == 0
+    assert SamplingParams(temperature=1e-4).temperature == 1e-2
+    assert SamplingParams(temperature=1e30).temperature == 1e30  # finite: near uniform
+
+
+def test_params_cannot_change_after_validation():
+    import dataclasses
+
+    p = SamplingParams(n=2, stop=["x"], stop_token_ids=[3])
+    for name, value in (("n", -1), ("top_k", "x"), ("temperature", float("nan"))):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(p, name, value)
+    assert isinstance(p.stop, tuple) and isinstance(p.stop_token_ids, tuple)  # no append
+    assert p.replace(n=3).n == 3 and p.n == 2
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        p.replace(n=-1)

@@ -29,6 +29,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     port = int(text)
     if not 1 <= port <= 65535:
@@ -147,7 +154,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grace-period",
         type=float,
         default=30.0,
-        help="seconds in-flight requests may run on after SIGTERM",
+        help="seconds in-flight requests may run on after SIGTERM (then: 503, or a last error "
+        "event in a stream)",
+    )
+    srv.add_argument(
+        "--max-request-entries",
+        type=_positive,
+        default=1 << 20,
+        help="the most prompts x n x max_tokens x (logprobs + 1) one request may ask for "
+        "(400 beyond): bounds the memory one request holds",
+    )
+    srv.add_argument(
+        "--read-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds to receive a request's headers, and then its body (408 beyond)",
+    )
+    srv.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=1024,
+        help="open connections beyond which new ones get 503 and are closed (the soft "
+        "open-file limit is raised to the hard one at start)",
+    )
+    srv.add_argument(
+        "--cpu-workers",
+        type=_positive,
+        default=2,
+        help="threads that tokenize and build large responses off the event loop",
     )
     srv.add_argument(
         "--step-log",
@@ -324,6 +364,11 @@ def serve(args: argparse.Namespace) -> int:
         args.max_body_bytes,
         args.max_queue,
         args.grace_period,
+        max_request_entries=args.max_request_entries,
+        read_timeout=args.read_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        cpu_workers=args.cpu_workers,
     )
 
 

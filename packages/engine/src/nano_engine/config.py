@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -97,6 +98,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint path (str), got {type(model).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -75,6 +75,10 @@ class _InFlight:
     log: StepLogEntry | NullEntry  # its step-log record
 
 
+# The files a Hugging Face tokenizer is loaded from (one of them must be there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
@@ -86,13 +90,18 @@ def load_tokenizer(config: EngineConfig):
             f"no tokenizer directory at {source!r}: pass tokenizer=... or "
             "skip_tokenizer_init=True and token-id prompts"
         )
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    advice = "pass tokenizer=DIR, or skip_tokenizer_init=True and token-id prompts"
+    if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
-            f"cannot load a tokenizer from {source!r} ({e}); pass tokenizer=... or "
-            "skip_tokenizer_init=True and token-id prompts"
-        ) from e
+            f"no tokenizer in {source!r} (looked for {', '.join(TOKENIZER_FILES)}): {advice}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except Exception as e:  # (transformers raises many kinds for a broken tokenizer)
+        raise ValueError(f"cannot load the tokenizer in {source!r} ({e}): {advice}") from e
+    if len(tokenizer) == 0:
+        raise ValueError(f"the tokenizer in {source!r} has an empty vocabulary: {advice}")
+    return tokenizer
 
 
 def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) -> set[int]:
@@ -100,7 +109,10 @@ def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) ->
     ids = set(model_config.eos_token_ids)
     generation = Path(config.model) / "generation_config.json"
     if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{generation} is not a JSON object: {e}") from e
         ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -36,17 +36,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists); outputs in input order. Every
         request is validated before any runs: bad input raises and nothing is queued."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)) and all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or "
+                f"None, got {_describe(sampling_params)}"
+            )
         ready: queue.SimpleQueue[RequestStream] = queue.SimpleQueue()
         requests = [
             self.engine.make_request(p, sp, notify=ready.put, stream_deltas=False)
@@ -92,12 +95,15 @@ class LLM:
         chat template."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+        for i, conversation in enumerate(conversations):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            except Exception as e:  # (jinja and transformers raise many kinds)
+                raise ValueError(f"the chat template failed on conversation {i}: {e}") from e
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -135,6 +141,57 @@ def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestO
     total.finished, total.metrics = delta.finished, delta.metrics
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
     return total
+
+
+def _describe(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def _prompt_list(prompts) -> list[str | list[int]]:
+    """The prompts as a list: one string or token-id list, or a list / tuple of them."""
+    if isinstance(prompts, str) or (_is_ids(prompts) and prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        for i, p in enumerate(prompts):
+            if not (isinstance(p, str) or _is_ids(p)):
+                raise TypeError(
+                    f"prompt {i} must be a string or a list of token ids (ints), got {_describe(p)}"
+                )
+        return list(prompts)
+    raise TypeError(
+        "prompts must be a string, a list of token ids, or a list of those, got "
+        f"{_describe(prompts)}"
+    )
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _conversations(messages) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them, checked."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        messages = [messages]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(
+            "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such "
+            f"lists, got {_describe(messages)}"
+        )
+    for i, conversation in enumerate(messages):
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise TypeError(
+                f"conversation {i} must be a non-empty list of message dicts, got "
+                f"{_describe(conversation)}"
+            )
+        for j, m in enumerate(conversation):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise TypeError(
+                    f"message {j} of conversation {i} must be a dict with a 'role' string and "
+                    f"'content', got {_describe(m)}"
+                )
+    return [list(c) for c in messages]
 
 
 def _progress(total: int):

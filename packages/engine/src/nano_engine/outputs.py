@@ -2,16 +2,53 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass
 class Logprob:
-    """Log-probability of the sampled token, and of the top tokens (id, logprob), best first."""
+    """Log-probability of the sampled token, and of the top tokens (id, logprob), best first.
 
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    Compact: the top tokens are kept in two typed arrays (int32 ids, float32 logprobs, as the
+    sampler computed them), about 0.2 KB per token with 20 of them, not a list of tuples."""
+
+    __slots__ = ("logprob", "token_id", "top_ids", "top_logprobs")
+
+    def __init__(
+        self, token_id: int, logprob: float, top: Iterable[tuple[int, float]] = ()
+    ) -> None:
+        pairs = list(top)
+        self.token_id, self.logprob = token_id, logprob
+        self.top_ids = array("i", [t for t, _ in pairs])
+        self.top_logprobs = array("f", [v for _, v in pairs])
+
+    @classmethod
+    def of(
+        cls, token_id: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
+    ) -> Logprob:
+        """From the top ids and logprobs as two sequences (no pairs built)."""
+        lp = cls.__new__(cls)
+        lp.token_id, lp.logprob = token_id, logprob
+        lp.top_ids, lp.top_logprobs = array("i", top_ids), array("f", top_logprobs)
+        return lp
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        return list(zip(self.top_ids, self.top_logprobs))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Logprob):
+            return NotImplemented
+        return (self.token_id, self.logprob, self.top_ids, self.top_logprobs) == (
+            other.token_id,
+            other.logprob,
+            other.top_ids,
+            other.top_logprobs,
+        )
+
+    def __repr__(self) -> str:
+        return f"Logprob(token_id={self.token_id}, logprob={self.logprob}, top={self.top})"
 
 
 @dataclass

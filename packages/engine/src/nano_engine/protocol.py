@@ -1,25 +1,163 @@
-"""The OpenAI-compatible request bodies (pydantic), and their sampling parameters."""
+"""The OpenAI-compatible request bodies (pydantic), and their sampling parameters.
+
+Every field of OpenAI's and vLLM's request schemas is honoured or refused: the fields below
+are honoured; those in ``UNSUPPORTED`` are refused with a 400 that names them unless sent with
+their neutral value (one that changes nothing); any other field is refused as unknown, as
+OpenAI does. Every string must be valid Unicode (no lone surrogates).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nano_scheduler import SamplingParams
 
 
-class StreamOptions(BaseModel):
+class FieldError(ValueError):
+    """A refused request field; ``param`` names it (a dotted path)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Fields of OpenAI's and vLLM's request schemas that this server does not implement, with the
+# values that leave the output as it is (accepted and dropped).
+UNSUPPORTED: dict[str, tuple] = {
+    # OpenAI
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "metadata": (None, {}),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    # vLLM
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0, 1),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "priority": (None, 0),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "add_special_tokens": (None,),  # (each route's default only: see the routes)
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None,),
+    "media_io_kwargs": (None,),
+    "prompt_embeds": (None,),
+}
+
+# Message fields the chat template is not given: accepted when null (a message sent back as the
+# openai client serializes it), refused otherwise.
+UNSUPPORTED_MESSAGE: dict[str, tuple] = {
+    name: (None,)
+    for name in ("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations")
+}
+
+
+def _neutral(value: Any, allowed: tuple) -> bool:
+    return any(type(value) is type(v) and value == v for v in allowed if v is not None) or (
+        value is None
+    )
+
+
+def _check_text(value: Any, path: str) -> None:
+    """FieldError for the first string (or key) under ``value`` that is not valid Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise FieldError(
+                path or "body",
+                f"{path or 'the body'} is not valid Unicode (a lone surrogate at index "
+                f"{e.start}): send UTF-8 text",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list) and not all(type(x) is int for x in value):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}.{i}")
+
+
+def _known_fields(model: type[BaseModel], data: Any, unsupported: dict[str, tuple]) -> Any:
+    """``data`` without the unsupported fields sent with their neutral values; FieldError for a
+    field that is unsupported or unknown."""
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for name, value in data.items():
+        if name in model.model_fields:
+            kept[name] = value
+        elif name in unsupported:
+            if not _neutral(value, unsupported[name]):
+                raise FieldError(
+                    name,
+                    f"{name} is not supported by this server (only its default, "
+                    f"{unsupported[name][-1]!r}, is accepted)",
+                )
+        else:
+            raise FieldError(name, f"unknown field {name!r}")
+    return kept
+
+
+class _Body(BaseModel):
+    """A request body: valid Unicode throughout; every field known."""
+
+    model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid(cls, data: Any) -> Any:
+        _check_text(data, "")
+        return _known_fields(cls, data, cls.unsupported)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    unsupported = {"continuous_usage_stats": (None, False)}
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by completions and chat completions, vLLM's extras included."""
 
-    model_config = ConfigDict(extra="ignore")
+    unsupported = UNSUPPORTED
 
     model: str
     n: int = Field(default=1, ge=1, le=128)  # (OpenAI's bound)
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str | list[str] | None = None
@@ -28,7 +166,10 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # identifiers of the caller: accepted, not used
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # (the prefix cache needs no key)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's extra sampling fields
     top_k: int = 0
     min_p: float = 0.0
@@ -38,23 +179,11 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # OpenAI fields not implemented here: an error where they would change the output, never
-    # silently ignored
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    response_format: dict | None = None
-    tools: list | None = None
 
     @model_validator(mode="after")
-    def _implemented(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _best_of(self):
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (other than best_of = n)")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format is not supported (other than type text)")
-        if self.tools:
-            raise ValueError("tools are not supported")
+            raise FieldError("best_of", "best_of is not supported (other than best_of = n)")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -85,10 +214,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    unsupported = {**UNSUPPORTED, "add_special_tokens": (None, True)}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -99,16 +229,18 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     type: Literal["text"]  # (images and audio are not supported)
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
+    unsupported = UNSUPPORTED_MESSAGE
 
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
     def template_dict(self) -> dict:
         """The message for the chat template: text parts joined by newlines (as vLLM does)."""
@@ -119,6 +251,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    unsupported = {**UNSUPPORTED, "add_special_tokens": (None, False)}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -137,7 +271,7 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         return self
 
     @property
@@ -145,13 +279,14 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

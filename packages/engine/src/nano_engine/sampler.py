@@ -328,8 +328,9 @@ class SampledTokens:
             if w is None:
                 out.append(None)
                 continue
-            top = list(zip(top_ids[row][:w], top_values[row][:w]))
-            out.append(Logprob(token_list[row], chosen[row], top))
+            out.append(
+                Logprob.of(token_list[row], chosen[row], top_ids[row][:w], top_values[row][:w])
+            )
         return token_list, out
 
 

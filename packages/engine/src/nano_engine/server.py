@@ -4,27 +4,35 @@ POST /v1/completions and /v1/chat/completions (server-sent events with ``stream`
 /v1/models, /health and /metrics, POST /tokenize and /detokenize. Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects aborts its
 requests; SIGTERM stops accepting, lets in-flight requests finish within a grace period, then
-aborts the rest and exits 0.
+answers the rest with 503 (streams: a last error event) and exits 0.
+
+The event loop only moves bytes: tokenization, the chat template and the building of large
+responses run in a small thread pool (``cpu_workers`` at a time) unless they are small enough
+to take less time than the hand-over, so that one client's big request never stalls the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import functools
+import itertools
 import json
 import logging
 import signal
 import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nano_engine.connections import Gate, error_body, error_response, http_protocol
 from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs
 from nano_engine.metrics import ServerMetrics
@@ -33,11 +41,17 @@ from nano_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     TokenizeRequest,
 )
 from nano_engine.streams import EngineDeadError, RequestStream
+from nano_scheduler import SamplingParams
 
 log = logging.getLogger("nano_engine.server")
+
+# Work below these sizes runs on the event loop: less than the hand-over to a thread costs.
+INLINE_CHARS = 4096  # characters to tokenize (about 4 ms for 4 KiB)
+INLINE_ENTRIES = 2048  # tokens x (logprobs + 1) to render into a response
 
 
 class APIError(Exception):
@@ -47,86 +61,37 @@ class APIError(Exception):
         message: str,
         kind: str = "invalid_request_error",
         param: str | None = None,
+        headers: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def error_response(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    param: str | None = None,
-    headers: dict | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-class Gate:
-    """ASGI middleware in front of the routes: 413 for a request body over ``max_bytes``
-    (declared or streamed), then 401 for the API routes without the right bearer key. Plain
-    ASGI: starlette's ``BaseHTTPMiddleware`` would add a task and a queue to every streamed
-    chunk."""
-
-    PROTECTED = ("/v1", "/tokenize", "/detokenize")
-
-    def __init__(self, app, max_bytes: int, api_key: str | None = None) -> None:
-        self.app, self.max_bytes = app, max_bytes
-        self.authorization = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
-        too_big = error_response(
-            413, f"the request body is over {self.max_bytes} bytes", "request_too_large"
-        )
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await too_big(scope, receive, send)
-        if (
-            self.authorization is not None
-            and scope["path"].startswith(self.PROTECTED)
-            and not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization)
-        ):
-            denied = error_response(401, "a valid API key is required", "authentication_error")
-            return await denied(scope, receive, send)
-        # The body is read here, whole (it is small), so that one over the limit gets 413
-        # however it was sent; the app then reads it from memory.
-        chunks, received, message = [], 0, {"more_body": True}
-        while message.get("more_body"):
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                return await self.app(scope, _replay(message, receive), send)
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
-            if received > self.max_bytes:
-                return await too_big(scope, receive, send)
-        body = {"type": "http.request", "body": b"".join(chunks)}
-        await self.app(scope, _replay(body, receive), send)
-
-
-def _replay(first: dict, receive):
-    """An ASGI receive that gives ``first`` (a message already read), then hands over to
-    ``receive`` (disconnects)."""
-    pending = [first]
-
-    async def replayed():
-        return pending.pop() if pending else await receive()
-
-    return replayed
+        self.headers = headers
 
 
 class Server:
     """The routes over one engine. ``max_queue``: sequences queued or running (a request with
-    n = 4 counts 4) beyond which new requests get 503."""
+    n = 4 counts 4) beyond which new requests get 503 (a request that alone needs more gets
+    400). ``max_request_entries``: the most n x max_tokens x (logprobs + 1), over a request's
+    prompts, that one request may ask for (400 beyond; it bounds the memory it can hold).
+    ``cpu_workers``: threads for tokenization and response building."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_queue: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        max_queue: int = 1024,
+        max_request_entries: int = 1 << 20,
+        cpu_workers: int = 2,
+    ) -> None:
         self.engine, self.model_name = engine, model_name
-        self.max_queue = max_queue
-        self.metrics = ServerMetrics(engine)
+        self.max_queue, self.max_request_entries = max_queue, max_request_entries
+        self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(cpu_workers, thread_name_prefix="nano-server-cpu")
+        self._admit = threading.Lock()  # the queue check and the submission, as one
+        self._readers: set[asyncio.Event] = set()  # the wake-ups of requests in flight
+        self.expired = False  # the shutdown's grace period ran out
+        self._token = functools.lru_cache(maxsize=1 << 18)(self._decode_token)
         self.app = FastAPI(title="nano-engine", version="1")
         self._routes()
 
@@ -137,7 +102,7 @@ class Server:
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError):
-            return error_response(e.status, e.message, e.kind, e.param)
+            return error_response(e.status, e.message, e.kind, e.param, e.headers)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_: Request, e: StarletteHTTPException):  # 404, 405: no such route
@@ -148,11 +113,19 @@ class Server:
         async def invalid(_: Request, e: RequestValidationError):
             first = e.errors()[0] if e.errors() else {}
             where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+            cause = first.get("ctx", {}).get("error")
+            if isinstance(cause, FieldError):
+                param = f"{where}.{cause.param}" if where else cause.param
+                return error_response(400, str(cause), param=param)
             return error_response(
                 400,
                 f"invalid request: {first.get('msg', e)}" + (f" ({where})" if where else ""),
                 param=where,
             )
+
+        @app.exception_handler(Exception)
+        async def internal(_: Request, e: Exception):  # (logged by the Gate, escaped)
+            return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
@@ -186,6 +159,19 @@ class Server:
             ],
         }
 
+    def expire(self) -> None:
+        """The shutdown's grace period is over: every request in flight ends now with 503 (a
+        stream with a last error event)."""
+        self.expired = True
+        for wake in self._readers:
+            wake.set()
+
+    async def _work(self, cost: int, limit: int, fn: Callable, *args):
+        """``fn(*args)``: on the loop when ``cost`` is within ``limit``, else in the pool."""
+        if cost <= limit:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(
@@ -195,40 +181,67 @@ class Server:
                 param="model",
             )
 
-    def _submit(self, prompts: list, params, prefix: str, stream: bool) -> list[RequestStream]:
-        """Validate and queue one engine request per prompt (all or none)."""
-        if self.engine.num_sequences + len(prompts) * params.n > self.max_queue:
+    def _check_size(self, num_prompts: int, params: SamplingParams) -> None:
+        """400 for a request that could never be served (more sequences than the queue holds,
+        more output than one request may hold); 503 while the queue is full."""
+        sequences = num_prompts * params.n
+        if sequences > self.max_queue:
+            raise APIError(
+                400,
+                f"this request needs {sequences} sequences (prompts x n), more than the "
+                f"server ever queues ({self.max_queue}, --max-queue)",
+                param="n",
+            )
+        tokens = params.max_tokens or self.engine.max_model_len
+        entries = sequences * tokens * ((params.logprobs or 0) + 1)
+        if entries > self.max_request_entries:
+            raise APIError(
+                400,
+                f"this request may produce {entries} tokens and logprobs (prompts x n x "
+                f"max_tokens x (logprobs + 1)), over the server's limit of "
+                f"{self.max_request_entries} (--max-request-entries): lower n, max_tokens or "
+                "logprobs",
+                param="max_tokens",
+            )
+        self._check_queue(sequences)
+
+    def _check_queue(self, sequences: int) -> None:
+        if self.engine.num_sequences + sequences > self.max_queue:
             raise APIError(
                 503,
-                f"the server is at its queue limit ({self.max_queue} sequences)",
+                f"the server is at its queue limit ({self.max_queue} sequences): retry later",
                 "service_unavailable",
+                headers={"Retry-After": "1"},
             )
+
+    def _submit(self, prompts: list, params, prefix: str, stream: bool) -> list[RequestStream]:
+        """Validate, tokenize and queue one engine request per prompt (all or none)."""
         try:
             requests = [
                 self.engine.make_request(p, params, f"{prefix}-{i}", stream_deltas=stream)
                 for i, p in enumerate(prompts)
             ]
-            self.engine.submit(requests)
+            with self._admit:
+                self._check_queue(len(prompts) * params.n)
+                self.engine.submit(requests)
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from e
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from e
         return [r.stream for r in requests]
 
-    def _abort(self, streams: list[RequestStream]) -> None:
-        for stream in streams:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
-
     async def _outputs(
-        self, streams: list[RequestStream], raw: Request
+        self, streams: list[RequestStream], raw: Request, n: int
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of several streams as they come, as (prompt index, output); a client that
-        goes away aborts what is left. One event wakes this reader for all its streams; a
-        reader that falls behind gets the waiting deltas of a stream merged into one."""
+        goes away aborts what is left, and so does the end of the shutdown's grace period. One
+        event wakes this reader for all its streams; a reader that falls behind gets the
+        waiting deltas of a stream merged into one."""
         wake = asyncio.Event()
         for stream in streams:
             stream.attach(wake)
+        self._readers.add(wake)
+        done = [0] * len(streams)  # sequences finished, per stream
         gone = asyncio.create_task(_disconnected(raw, wake))
         try:
             while True:
@@ -238,9 +251,17 @@ class Server:
                     while not stream.finished and (out := stream.get_nowait()) is not None:
                         merged = out if merged is None else merge_outputs(merged, out)
                     if merged is not None:
+                        done[i] += sum(o.finish_reason is not None for o in merged.outputs)
                         yield i, merged
                 if all(stream.finished for stream in streams):
                     return
+                if self.expired:
+                    raise APIError(
+                        503,
+                        "the server shut down before this request finished (its grace period "
+                        "ran out)",
+                        "service_unavailable",
+                    )
                 if gone.done():
                     raise ConnectionAbortedError from (
                         None if gone.cancelled() else gone.exception()
@@ -248,13 +269,19 @@ class Server:
                 await wake.wait()
                 wake.clear()
         finally:
+            self._readers.discard(wake)
             gone.cancel()
-            self._abort(streams)
+            aborted = 0
+            for i, stream in enumerate(streams):
+                if not stream.finished:
+                    self.engine.abort(stream.request_id)
+                    aborted += n - done[i]
+            self.metrics.aborted(aborted)
 
-    async def _collect(self, streams, raw) -> list[RequestOutput]:
+    async def _collect(self, streams, raw, n: int) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for i, delta in self._outputs(streams, raw):
+            async for i, delta in self._outputs(streams, raw, n):
                 results[i] = merge_outputs(results[i], delta)
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from e
@@ -272,38 +299,50 @@ class Server:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
-        rid = _request_id(raw, "cmpl")
-        streams = self._submit(prompts, params, rid, body.stream)
+        self._check_size(len(prompts), params)
+        rid = _request_id(raw, body, "cmpl")
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        streams = await self._work(
+            chars, INLINE_CHARS, self._submit, prompts, params, rid, body.stream
+        )
         head = {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
         }
-        n = params.n
+        n, logprobs = params.n, body.logprobs is not None
         if body.stream:
             return self._sse(self._completion_chunks(streams, raw, head, n, body))
-        outputs = await self._collect(streams, raw)
-        choices = [
-            self._completion_choice(i * n + o.index, o, body.logprobs is not None)
-            for i, out in enumerate(outputs)
-            for o in out.outputs
-        ]
-        return {**head, "choices": choices, "usage": _usage(outputs)}
+        outputs = await self._collect(streams, raw, n)
+
+        def render() -> Response:
+            choices = (
+                self._completion_choice(i * n + o.index, o, logprobs)
+                for i, out in enumerate(outputs)
+                for o in out.outputs
+            )
+            return _json(head, choices, _usage(outputs))
+
+        return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
     async def _completion_chunks(self, streams, raw, head, n, body):
         totals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, delta in self._outputs(streams, raw):
+        logprobs = body.logprobs is not None
+
+        def render(i: int, delta: RequestOutput) -> str:
+            choices = [self._completion_choice(i * n + o.index, o, logprobs) for o in delta.outputs]
+            return _event({**head, "choices": choices})
+
+        async for i, delta in self._outputs(streams, raw, n):
             totals[i] = merge_outputs(totals[i], delta)
-            choices = [
-                self._completion_choice(i * n + o.index, o, body.logprobs is not None)
-                for o in delta.outputs
-            ]
-            yield {**head, "choices": choices}
+            yield await self._work(
+                _entries([delta], body.logprobs), INLINE_ENTRIES, render, i, delta
+            )
             if delta.finished:
                 self.metrics.observe(totals[i])
         if body.include_usage:
-            yield {**head, "choices": [], "usage": _usage(totals)}
+            yield _event({**head, "choices": [], "usage": _usage(totals)})
 
     def _completion_choice(self, index: int, o: CompletionOutput, logprobs: bool) -> dict:
         choice = {
@@ -318,8 +357,11 @@ class Server:
             choice["logprobs"] = {
                 "tokens": tokens,
                 "token_logprobs": [lp.logprob for lp in o.logprobs],
-                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in o.logprobs],
-                "text_offset": [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))],
+                "top_logprobs": [
+                    {self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+                    for lp in o.logprobs
+                ],
+                "text_offset": text_offsets(tokens),
             }
         return choice
 
@@ -328,9 +370,15 @@ class Server:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check_model(body.model)
         params = self._params(body, body.max_new_tokens, body.num_logprobs)
-        ids = self._chat_ids(body.messages, body.add_generation_prompt, "chat completions")
-        rid = _request_id(raw, "chatcmpl")
-        streams = self._submit([ids], params, rid, body.stream)
+        self._check_size(1, params)
+        self._tokenizer("chat completions")
+        rid = _request_id(raw, body, "chatcmpl")
+
+        def submit() -> list[RequestStream]:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            return self._submit([ids], params, rid, body.stream)
+
+        streams = await self._work(_chars(body.messages), INLINE_CHARS, submit)
         head = {
             "id": rid,
             "object": "chat.completion",
@@ -339,25 +387,31 @@ class Server:
         }
         if body.stream:
             return self._sse(
-                self._chat_chunks(streams, raw, {**head, "object": "chat.completion.chunk"}, body)
+                self._chat_chunks(
+                    streams, raw, {**head, "object": "chat.completion.chunk"}, body, params
+                )
             )
-        outputs = await self._collect(streams, raw)
-        choices = [
-            {
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": self._chat_logprobs(o, body),
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-            for o in outputs[0].outputs
-        ]
-        return {**head, "choices": choices, "usage": _usage(outputs)}
+        outputs = await self._collect(streams, raw, params.n)
 
-    async def _chat_chunks(self, streams, raw, head, body):
+        def render() -> Response:
+            choices = (
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._chat_logprobs(o, body),
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                for o in outputs[0].outputs
+            )
+            return _json(head, choices, _usage(outputs))
+
+        return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
+
+    async def _chat_chunks(self, streams, raw, head, body, params):
         total, started = None, set()
-        async for _, delta in self._outputs(streams, raw):
-            total = merge_outputs(total, delta)
+
+        def render(delta: RequestOutput) -> str:
             choices = []
             for o in delta.outputs:
                 message = {"content": o.text}
@@ -372,11 +426,17 @@ class Server:
                         "finish_reason": o.finish_reason,
                     }
                 )
-            yield {**head, "choices": choices}
+            return _event({**head, "choices": choices})
+
+        async for _, delta in self._outputs(streams, raw, params.n):
+            total = merge_outputs(total, delta)
+            yield await self._work(
+                _entries([delta], params.logprobs), INLINE_ENTRIES, render, delta
+            )
             if delta.finished:
                 self.metrics.observe(total)
         if body.include_usage:
-            yield {**head, "choices": [], "usage": _usage([total])}
+            yield _event({**head, "choices": [], "usage": _usage([total])})
 
     def _chat_logprobs(self, o: CompletionOutput, body: ChatCompletionRequest) -> dict | None:
         if not body.logprobs or o.logprobs is None:
@@ -388,7 +448,10 @@ class Server:
 
         return {
             "content": [
-                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                {
+                    **entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)],
+                }
                 for lp in o.logprobs
             ]
         }
@@ -402,9 +465,15 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, True, "tokenize")
+            chars = _chars(body.messages)
+            work = functools.partial(self._chat_ids, body.messages, body.add_generation_prompt)
         else:
-            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            chars = len(body.prompt)
+
+            def work() -> list[int]:
+                return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+
+        ids = await self._work(chars, INLINE_CHARS, work)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -416,19 +485,21 @@ class Server:
             raise APIError(
                 400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
             )
-        return {"prompt": self._tokenizer("detokenize").decode(body.tokens)}
+        tokenizer = self._tokenizer("detokenize")
+        text = await self._work(len(body.tokens), INLINE_CHARS // 4, tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _params(self, body, max_tokens, logprobs):
+    def _params(self, body, max_tokens, logprobs) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, what: str) -> list[int]:
+    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         """The token ids of messages through the chat template (400 where it rejects them)."""
-        tokenizer = self._tokenizer(what)
+        tokenizer = self.engine.tokenizer
         try:
             text = tokenizer.apply_chat_template(
                 [m.template_dict() for m in messages],
@@ -439,7 +510,7 @@ class Server:
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    def _token(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
@@ -452,21 +523,22 @@ class Server:
             )
         return self.engine.tokenizer
 
-    def _sse(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
-        """Server-sent events, ending with ``data: [DONE]``; a failure mid-stream is sent as an
-        error event (the status line has gone already)."""
+    def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """Server-sent events, ending with ``data: [DONE]``; a failure mid-stream, the end of
+        the shutdown's grace period included, is sent as a last error event (the status line
+        has gone already)."""
 
-        async def events():
+        async def framed():
             try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                async for event in events:
+                    yield event
             except APIError as e:
-                yield _event_error(e.status, e.message, e.kind)
+                yield _event(error_body(e.status, e.message, e.kind))
             except (EngineDeadError, ConnectionAbortedError) as e:
-                yield _event_error(503, str(e), "service_unavailable")
+                yield _event(error_body(503, str(e), "service_unavailable"))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(framed(), media_type="text/event-stream")
 
 
 async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
@@ -479,18 +551,45 @@ async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
         wake.set()
 
 
-def _request_id(raw: Request, kind: str) -> str:
-    """The client's ``X-Request-Id`` header, as vLLM takes it (a step log can then be matched
-    with the client's records), else a fresh one."""
+def _request_id(raw: Request, body, kind: str) -> str:
+    """The client's ``X-Request-Id`` header or ``request_id`` field, as vLLM takes them (a step
+    log can then be matched with the client's records), else a fresh one."""
     given = raw.headers.get("x-request-id")
     if given is not None and not 0 < len(given) <= 256:
         raise APIError(400, "the X-Request-Id header must be 1 to 256 characters")
-    return given or f"{kind}-{uuid.uuid4().hex}"
+    return given or body.request_id or f"{kind}-{uuid.uuid4().hex}"
 
 
-def _event_error(status: int, message: str, kind: str) -> str:
-    error = {"message": message, "type": kind, "param": None, "code": status}
-    return f"data: {json.dumps({'error': error})}\n\n"
+def text_offsets(tokens: list[str]) -> list[int]:
+    """Where each token's text starts in the completion (linear: a running sum)."""
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+
+
+def _chars(messages) -> int:
+    return sum(
+        len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+        for m in messages
+    )
+
+
+def _entries(outputs: list[RequestOutput], logprobs: int | None) -> int:
+    """Tokens x (logprobs + 1) in outputs: the work of rendering them."""
+    return ((logprobs or 0) + 1) * sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def _event(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def _json(head: dict, choices, usage: dict) -> Response:
+    """A response body of ``head``, the ``choices`` (an iterable of dicts: each is serialized
+    and dropped before the next is built, so that n x logprobs objects never live at once) and
+    ``usage``."""
+    parts = [json.dumps(head, ensure_ascii=False)[:-1], ', "choices": [']
+    for i, choice in enumerate(choices):
+        parts.append((", " if i else "") + json.dumps(choice, ensure_ascii=False))
+    parts.append(f'], "usage": {json.dumps(usage)}}}')
+    return Response("".join(parts).encode(), media_type="application/json")
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:
@@ -509,9 +608,26 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 1 << 20,
     max_queue: int = 1024,
-):
-    """The ASGI app: the routes behind the body-size limit and the key check."""
-    return Gate(Server(engine, model_name, max_queue).app, max_body_bytes, api_key)
+    max_request_entries: int = 1 << 20,
+    read_timeout: float = 30.0,
+    cpu_workers: int = 2,
+) -> tuple[Gate, Server]:
+    """The ASGI app (the routes behind the body limits and the key check), and its routes."""
+    server = Server(engine, model_name, max_queue, max_request_entries, cpu_workers)
+    return Gate(server.app, max_body_bytes, api_key, read_timeout), server
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one (each connection holds one); returns
+    the limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def serve(
@@ -523,18 +639,40 @@ def serve(
     max_body_bytes: int = 1 << 20,
     max_queue: int = 1024,
     grace_period: float = 30.0,
+    max_request_entries: int = 1 << 20,
+    read_timeout: float = 30.0,
+    keep_alive_timeout: float = 5.0,
+    max_connections: int = 1024,
+    cpu_workers: int = 2,
 ) -> int:
-    """Run until SIGINT / SIGTERM: stop accepting, let in-flight requests finish within the
-    grace period (uvicorn cancels the rest, which aborts their engine requests), shut down."""
+    """Run until SIGINT / SIGTERM: stop accepting, close idle and stalled connections, let
+    in-flight requests finish within the grace period (then they get 503), shut down."""
     import uvicorn
 
     # The engine's step loop shares the GIL with this event loop; every time it waits for the
     # GPU it must win the GIL back from a busy event loop, which by default takes up to 5 ms.
     sys.setswitchinterval(0.0005)
+    files = raise_open_file_limit()
+    if files < max_connections + 64:
+        log.warning(
+            "the open-file limit (%d) is below --max-connections (%d) + 64", files, max_connections
+        )
+
+    app, routes = build_app(
+        engine,
+        model_name,
+        api_key,
+        max_body_bytes,
+        max_queue,
+        max_request_entries,
+        read_timeout,
+        cpu_workers,
+    )
 
     class GracefulServer(uvicorn.Server):
         """Shuts down on SIGTERM / SIGINT and returns (uvicorn would re-raise the signal after
-        its graceful shutdown, so the process would not exit 0)."""
+        its graceful shutdown, so the process would not exit 0); at the end of the grace period
+        the requests still running are answered with 503 before uvicorn cancels them."""
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -546,13 +684,20 @@ def serve(
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    app = build_app(engine, model_name, api_key, max_body_bytes, max_queue)
+        async def shutdown(self, sockets=None):
+            asyncio.get_running_loop().call_later(grace_period, routes.expire)
+            await super().shutdown(sockets)
+
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="warning",
-        timeout_graceful_shutdown=grace_period,
+        # (a margin after the grace period for the 503s to go out)
+        timeout_graceful_shutdown=grace_period + 5,
+        timeout_keep_alive=keep_alive_timeout,
+        http=http_protocol(read_timeout, max_connections),
+        backlog=min(2048, max_connections),
         access_log=False,
     )
     server = GracefulServer(config)
@@ -560,5 +705,6 @@ def serve(
     try:
         server.run()
     finally:
+        routes.pool.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
     return 0

@@ -90,4 +90,10 @@ class ModelConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(file.read_text()))
+        try:
+            data = json.loads(file.read_text())
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+
+# As in vLLM: a temperature below GREEDY_BELOW is greedy, one below MIN_TEMPERATURE is raised to
+# it (1 / temperature would overflow the logits).
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 1e-2
 
 
 def _is_int(value: object) -> bool:
@@ -19,13 +26,15 @@ _NUMBERS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's output.
+    """How to sample one request's output. Immutable once validated (``replace`` makes a
+    validated copy), so that no caller can change a request the engine already holds.
 
-    temperature 0 means greedy. top_k 0 or -1 and top_p 1 turn those filters off. max_tokens None
-    means until the model's maximum length. logprobs: how many top log-probabilities to return per
-    output token besides the sampled one's (None: none).
+    temperature 0 (or below 1e-5) means greedy; from 1e-5 to 1e-2 it is raised to 1e-2, as in
+    vLLM. top_k 0 or -1 and top_p 1 turn those filters off. max_tokens None means until the
+    model's maximum length. logprobs: how many top log-probabilities to return per output token
+    besides the sampled one's (None: none). ``stop`` and ``stop_token_ids`` are kept as tuples.
     """
 
     n: int = 1
@@ -39,25 +48,34 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        normal = object.__setattr__  # (frozen: only validation sets fields)
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            normal(self, "stop", (self.stop,))
         if self.stop is None or isinstance(self.stop, (list, tuple)):
-            self.stop = list(self.stop or [])
+            normal(self, "stop", tuple(self.stop or ()))
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = list(self.stop_token_ids or [])
+            normal(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         errors = list(self._errors())
         if errors:
             raise ValueError("invalid sampling parameters: " + "; ".join(errors))
         if self.top_k == -1:
-            self.top_k = 0
+            normal(self, "top_k", 0)
+        if self.temperature < GREEDY_BELOW:
+            normal(self, "temperature", 0.0)
+        elif self.temperature < MIN_TEMPERATURE:
+            normal(self, "temperature", MIN_TEMPERATURE)
+
+    def replace(self, **changes) -> SamplingParams:
+        """A validated copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
 
     def _errors(self):
         if not _is_int(self.n) or self.n < 1:
@@ -65,8 +83,11 @@ class SamplingParams:
         numbers = set(_NUMBERS)  # those that are numbers: the range checks below need them
         for name in _NUMBERS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 yield f"{name} must be a number, got {value!r}"
+                numbers.discard(name)
+            elif not math.isfinite(value):
+                yield f"{name} must be a finite number, got {value!r}"
                 numbers.discard(name)
         if "temperature" in numbers and self.temperature < 0:
             yield f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
@@ -93,16 +114,19 @@ class SamplingParams:
             and (self.min_tokens > self.max_tokens)
         ):
             yield f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-        if not isinstance(self.stop, list) or any(
+        if not isinstance(self.stop, tuple) or any(
             not isinstance(s, str) or not s for s in self.stop
         ):
             yield f"stop strings must be non-empty strings, got {self.stop!r}"
-        if not isinstance(self.stop_token_ids, list) or any(
+        if not isinstance(self.stop_token_ids, tuple) or any(
             not _is_int(t) or t < 0 for t in self.stop_token_ids
         ):
             yield f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             yield f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}"
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                yield f"{name} must be a bool, got {getattr(self, name)!r}"
 
     @property
     def greedy(self) -> bool:
