@@ -7,37 +7,36 @@ before reading step N's tokens, so the host's work overlaps the device's: step N
 carry a placeholder token that step N+1 takes from the device (tensor-parallel workers from
 rank 0's broadcast).
 
-Requests are validated and tokenized on the caller's thread, so bad input is an exception there
-and never reaches the loop.
+Requests are validated and tokenized on the caller's thread (``nano_engine.requests``), so bad
+input is an exception there and never reaches the loop; their tokens are recorded and their
+outputs assembled by ``Request`` on the loop's.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
-import itertools
-import json
 import logging
 import threading
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from nano_engine.config import EngineConfig
-from nano_engine.detokenizer import IncrementalDetokenizer
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
-from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nano_engine.outputs import RequestOutput
 from nano_engine.parallel import Workers, abort_group, init_group
+from nano_engine.requests import Request, RequestFactory, eos_token_ids, load_tokenizer
 from nano_engine.sampler import SampledTokens, Sampler
+from nano_engine.stats import StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
-    FinishReason,
     PendingStep,
     SamplingParams,
     Scheduler,
@@ -50,22 +49,6 @@ log = logging.getLogger("nano_engine")
 
 
 @dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: RequestStream
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer | None]
-    arrival: float
-    sent_tokens: list[int] = field(default_factory=list)
-    stop_reasons: list[str | int | None] = field(default_factory=list)
-    logprobs: list[list[Logprob]] = field(default_factory=list)
-    stream_deltas: bool = True  # False: one output, when the request finishes
-
-
-@dataclass
 class _InFlight:
     """A launched step whose sampled tokens have not been read yet."""
 
@@ -73,50 +56,6 @@ class _InFlight:
     pending: PendingStep
     rows: dict[int, int]  # seq_id -> row of its token in ``sampled``
     log: StepLogEntry | NullEntry  # its step-log record
-
-
-# The files a Hugging Face tokenizer is loaded from (one of them must be there).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-
-
-def load_tokenizer(config: EngineConfig):
-    if config.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
-
-    source = config.tokenizer or config.model
-    if not Path(source).is_dir():
-        raise ValueError(
-            f"no tokenizer directory at {source!r}: pass tokenizer=... or "
-            "skip_tokenizer_init=True and token-id prompts"
-        )
-    advice = "pass tokenizer=DIR, or skip_tokenizer_init=True and token-id prompts"
-    if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(
-            f"no tokenizer in {source!r} (looked for {', '.join(TOKENIZER_FILES)}): {advice}"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    except Exception as e:  # (transformers raises many kinds for a broken tokenizer)
-        raise ValueError(f"cannot load the tokenizer in {source!r} ({e}): {advice}") from e
-    if len(tokenizer) == 0:
-        raise ValueError(f"the tokenizer in {source!r} has an empty vocabulary: {advice}")
-    return tokenizer
-
-
-def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) -> set[int]:
-    """Every eos id: generation_config.json's, config.json's and the tokenizer's."""
-    ids = set(model_config.eos_token_ids)
-    generation = Path(config.model) / "generation_config.json"
-    if generation.is_file():
-        try:
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-        except (ValueError, AttributeError) as e:
-            raise ValueError(f"{generation} is not a JSON object: {e}") from e
-        ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class LLMEngine:
@@ -160,10 +99,15 @@ class LLMEngine:
         except BaseException:  # (workers and the process group would outlive the engine)
             self._release()
             raise
-        self._requests: dict[str, _Request] = {}
-        self._seq_owner: dict[int, tuple[_Request, int]] = {}
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._seq_owner: dict[int, tuple[Request, int]] = {}
+        self.request_factory = RequestFactory(
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            config.max_logprobs,
+            self.block_manager,
+        )
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -199,95 +143,14 @@ class LLMEngine:
 
     def make_request(
         self, prompt, params=None, request_id=None, notify=None, stream_deltas: bool = True
-    ) -> _Request:
+    ) -> Request:
         """A validated request, not queued yet (``ValueError`` for bad input). With
         ``stream_deltas`` False its stream gets a single output, when it finishes."""
         if self.error is not None:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) + 1 > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) is longer than the maximum model "
-                f"length of {self.max_model_len} tokens (with at least one token to "
-                "generate)"
-            )
-        needed = self.block_manager.num_blocks_for(len(ids) + 1)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) needs {needed} KV blocks, more than "
-                f"the cache holds ({self.block_manager.num_blocks})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        most = min(self.config.max_logprobs, vocab)
-        if params.logprobs is not None and params.logprobs > most:
-            raise ValueError(
-                f"logprobs ({params.logprobs}) is over the engine's limit of {most} "
-                "(max_logprobs, the vocabulary size)"
-            )
-        request_id = request_id if request_id is not None else str(next(self._request_ids))
-        now = time.monotonic()
-        seqs, detoks = [], []
-        for i in range(params.n):
-            seq_params = params
-            if params.seed is not None and i:
-                seed = params.seed + i
-                seed -= 2**64 if seed >= 2**64 else 0  # (within 64 bits)
-                seq_params = SamplingParams(**{**params.__dict__, "seed": seed})
-            seqs.append(Sequence(next(self._seq_ids), ids, seq_params, now))
-            detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    ids,
-                    params.stop,
-                    params.skip_special_tokens,
-                    params.include_stop_str_in_output,
-                )
-                if self.tokenizer is not None
-                else None
-            )
-        return _Request(
-            request_id,
-            text,
-            ids,
-            params,
-            RequestStream(request_id, notify),
-            seqs,
-            detoks,
-            now,
-            [0] * params.n,
-            [None] * params.n,
-            [[] for _ in range(params.n)],
-            stream_deltas=stream_deltas,
-        )
+        return self.request_factory.make(prompt, params, request_id, notify, stream_deltas)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "text prompts need a tokenizer: pass token ids (skip_tokenizer_init is set)"
-                )
-            return prompt, self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise TypeError("a prompt is a string or a list of token ids")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return None, list(prompt)
-
-    def submit(self, requests: list[_Request]) -> None:
+    def submit(self, requests: list[Request]) -> None:
         with self._cond:
             if self.error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
@@ -428,7 +291,7 @@ class LLMEngine:
         out = SchedulerOutput()
         if schedule and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
-        touched: dict[str, tuple[_Request, set[int]]] = {}
+        touched: dict[str, tuple[Request, set[int]]] = {}
         for seq in out.finished:
             self._touch(touched, seq)
         log = self._begin_record(out, clock.start)
@@ -510,92 +373,26 @@ class LLMEngine:
         for seq in finished[len(step.pending.output.finished) :]:
             self._touch(touched, seq)
         for row, seq, position in step.pending.slots:
-            token, logprob = tokens[row], logprobs[row]
             request, index = self._touch(touched, seq)
-            if logprob is not None:
-                request.logprobs[index].append(logprob)
-            detok = request.detokenizers[index]
-            if detok is not None and detok.stop_reason is not None:
-                continue  # its text ended at a stop string (a step in flight sampled this)
-            stop_token = (  # the token that stopped seq (eos, stop_token_ids)
-                seq.finish_reason is FinishReason.STOP
-                and position == len(seq.token_ids) - 1
-                and token in seq.stop_token_ids
-            )
-            if stop_token and token in seq.params.stop_token_ids:
-                request.stop_reasons[index] = token
-            if detok is None:
-                continue
-            if stop_token and not seq.params.include_stop_str_in_output:
-                continue  # its text is left out, as in vLLM
-            # Stop strings count once min_tokens are out, as for stop tokens (vLLM too).
-            may_stop = position + 1 - seq.num_prompt_tokens >= seq.params.min_tokens
-            if detok.add(token, may_stop) and seq.finish_reason in (
-                None,
-                FinishReason.LENGTH,  # its last token: the stop string wins, as in vLLM
-            ):
-                if seq.is_finished:
-                    seq.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(seq.seq_id, FinishReason.STOP)
-                request.stop_reasons[index] = detok.stop_reason
+            request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
 
-    def _touch(self, touched, seq: Sequence) -> tuple[_Request, int]:
+    def _touch(self, touched, seq: Sequence) -> tuple[Request, int]:
         request, index = self._seq_owner[seq.seq_id]
         touched.setdefault(request.request_id, (request, set()))[1].add(index)
         return request, index
 
-    def _output(self, request: _Request, indices, now: float) -> RequestOutput | None:
-        """What is new in these sequences of a request (None: nothing to send yet)."""
-        if not request.stream_deltas:
-            if not all(s.is_finished for s in request.seqs):
-                return None
-            indices = range(len(request.seqs))
-        outputs = []
-        for i in sorted(indices):
-            seq, detok = request.seqs[i], request.detokenizers[i]
-            done = seq.is_finished
-            # (a slice of the new tokens only: output_token_ids would copy every output token)
-            new_ids = seq.token_ids[seq.num_prompt_tokens + request.sent_tokens[i] :]
-            new_logprobs = (
-                request.logprobs[i][request.sent_tokens[i] :]
-                if request.params.logprobs is not None
-                else None
-            )
-            request.sent_tokens[i] += len(new_ids)
-            text = detok.delta(done) if detok is not None else ""
-            outputs.append(
-                CompletionOutput(
-                    i,
-                    text,
-                    new_ids,
-                    seq.finish_reason.value if done else None,
-                    new_logprobs,
-                    request.stop_reasons[i],
-                )
-            )
-            if done:
-                self.sampler.release(seq.seq_id)
-                self._seq_owner.pop(seq.seq_id, None)
-        finished = all(s.is_finished for s in request.seqs)
-        first = min((s.first_token_time for s in request.seqs if s.first_token_time), default=None)
-        metrics = {
-            "arrival_time": request.arrival,
-            "first_token_time": first or 0.0,
-            "last_token_time": now,
-        }
-        cached = request.seqs[0].num_prefix_cached_tokens
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            outputs,
-            finished,
-            cached,
-            metrics,
-        )
+    def _output(self, request: Request, indices, now: float) -> RequestOutput | None:
+        """What is new in these sequences of a request (None: nothing to send yet); a finished
+        sequence's sampler state and owner entry go."""
+        out = request.output(indices, now)
+        for o in out.outputs if out is not None else ():
+            if o.finish_reason is not None:
+                seq_id = request.seqs[o.index].seq_id
+                self.sampler.release(seq_id)
+                self._seq_owner.pop(seq_id, None)
+        return out
 
-    def _deliver(self, outputs: list[tuple[_Request, RequestOutput]]) -> None:
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         """Publish, then retire the finished requests (until then a failure still reaches
         them through ``_fail``)."""
         publish((request.stream, out) for request, out in outputs)
@@ -689,73 +486,6 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-@dataclass
-class StepStats:
-    """Where the loop's time goes: its own work (schedule, inputs, update, detokenize, publish)
-    against waiting for sampled tokens. With async scheduling the two overlap the device's work,
-    so the host share is how busy the loop is, not how long the device waits."""
-
-    steps: int = 0
-    host_seconds: float = 0.0
-    device_seconds: float = 0.0
-    tokens: int = 0
-
-    def record(self, host: float, device: float, tokens: int) -> None:
-        self.steps += 1
-        self.host_seconds += host
-        self.device_seconds += device
-        self.tokens += tokens
-
-    @property
-    def host_share(self) -> float:
-        total = self.host_seconds + self.device_seconds
-        return self.host_seconds / total if total else 0.0
-
-
-class StatsLog:
-    """One INFO line every ``interval`` seconds while the engine works (as vLLM logs): prompt
-    and generation throughput, step time and its host share, queues, KV usage, and the
-    preemptions of the interval."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self.preemptions = 0
-        self._reset(time.monotonic())
-
-    def _reset(self, now: float) -> None:
-        self.start, self.steps, self.prompt, self.generated = now, 0, 0, 0
-        self.host = self.device = 0.0
-
-    def record(self, out, host: float, device: float, scheduler: Scheduler) -> None:
-        now = time.monotonic()
-        if self.steps == 0 and now - self.start > self.interval + host + device:
-            self.start = now - host - device  # the first step after an idle time: start here
-        self.steps += 1
-        self.prompt += sum(c.num_tokens for c in out.prefills)
-        self.generated += len(out.sampling_seqs)
-        self.host += host
-        self.device += device
-        if now - self.start < self.interval:
-            return
-        if log.isEnabledFor(logging.INFO):
-            s, seconds = scheduler.stats(), now - self.start
-            log.info(
-                "prompt %.0f tok/s, generation %.0f tok/s, %.1f steps/s of %.2f ms "
-                "(host %.0f%%), running %d, waiting %d, KV cache %.1f%%, preemptions %d",
-                self.prompt / seconds,
-                self.generated / seconds,
-                self.steps / seconds,
-                (self.host + self.device) / self.steps * 1e3,
-                100 * self.host / (self.host + self.device),
-                s.num_running,
-                s.num_waiting,
-                100 * s.kv_usage,
-                s.num_preemptions - self.preemptions,
-            )
-            self.preemptions = s.num_preemptions
-        self._reset(now)
 
 
 _gc_lock = threading.Lock()

@@ -1,0 +1,267 @@
+"""A request on its way through the engine: validated and tokenized on the caller's thread
+(``RequestFactory``), then its sequences' sampled tokens recorded (logprobs, text, stop strings)
+and its outputs assembled (``Request``) on the loop's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nano_engine.config import EngineConfig
+from nano_engine.detokenizer import IncrementalDetokenizer
+from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nano_engine.streams import RequestStream
+from nano_kvcache import BlockManager
+from nano_models import ModelConfig
+from nano_scheduler import FinishReason, SamplingParams, Scheduler, Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    arrival: float
+    sent_tokens: list[int] = field(default_factory=list)
+    stop_reasons: list[str | int | None] = field(default_factory=list)
+    logprobs: list[list[Logprob]] = field(default_factory=list)
+    stream_deltas: bool = True  # False: one output, when the request finishes
+
+    def record(
+        self,
+        index: int,
+        seq: Sequence,
+        position: int,
+        token: int,
+        logprob: Logprob | None,
+        scheduler: Scheduler,
+    ) -> None:
+        """A sampled token of sequence ``index`` (at ``position`` of its token ids), already
+        in the scheduler's sequence: its logprob, its text, and a stop string it completes,
+        which finishes the sequence (through ``scheduler``)."""
+        if logprob is not None:
+            self.logprobs[index].append(logprob)
+        detok = self.detokenizers[index]
+        if detok is not None and detok.stop_reason is not None:
+            return  # its text ended at a stop string (a step in flight sampled this)
+        stop_token = (  # the token that stopped seq (eos, stop_token_ids)
+            seq.finish_reason is FinishReason.STOP
+            and position == len(seq.token_ids) - 1
+            and token in seq.stop_token_ids
+        )
+        if stop_token and token in seq.params.stop_token_ids:
+            self.stop_reasons[index] = token
+        if detok is None:
+            return
+        if stop_token and not seq.params.include_stop_str_in_output:
+            return  # its text is left out, as in vLLM
+        # Stop strings count once min_tokens are out, as for stop tokens (vLLM too).
+        may_stop = position + 1 - seq.num_prompt_tokens >= seq.params.min_tokens
+        if detok.add(token, may_stop) and seq.finish_reason in (
+            None,
+            FinishReason.LENGTH,  # its last token: the stop string wins, as in vLLM
+        ):
+            if seq.is_finished:
+                seq.finish_reason = FinishReason.STOP
+            else:
+                scheduler.finish(seq.seq_id, FinishReason.STOP)
+            self.stop_reasons[index] = detok.stop_reason
+
+    def output(self, indices, now: float) -> RequestOutput | None:
+        """What is new in these sequences (None: nothing to send yet)."""
+        if not self.stream_deltas:
+            if not all(s.is_finished for s in self.seqs):
+                return None
+            indices = range(len(self.seqs))
+        outputs = []
+        for i in sorted(indices):
+            seq, detok = self.seqs[i], self.detokenizers[i]
+            done = seq.is_finished
+            # (a slice of the new tokens only: output_token_ids would copy every output token)
+            new_ids = seq.token_ids[seq.num_prompt_tokens + self.sent_tokens[i] :]
+            new_logprobs = (
+                self.logprobs[i][self.sent_tokens[i] :]
+                if self.params.logprobs is not None
+                else None
+            )
+            self.sent_tokens[i] += len(new_ids)
+            text = detok.delta(done) if detok is not None else ""
+            reason = seq.finish_reason.value if done else None
+            outputs.append(
+                CompletionOutput(i, text, new_ids, reason, new_logprobs, self.stop_reasons[i])
+            )
+        finished = all(s.is_finished for s in self.seqs)
+        first = min((s.first_token_time for s in self.seqs if s.first_token_time), default=None)
+        metrics = {
+            "arrival_time": self.arrival,
+            "first_token_time": first or 0.0,
+            "last_token_time": now,
+        }
+        cached = self.seqs[0].num_prefix_cached_tokens
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            finished,
+            cached,
+            metrics,
+        )
+
+
+# The files a Hugging Face tokenizer is loaded from (one of them must be there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def load_tokenizer(config: EngineConfig):
+    if config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or config.model
+    if not Path(source).is_dir():
+        raise ValueError(
+            f"no tokenizer directory at {source!r}: pass tokenizer=... or "
+            "skip_tokenizer_init=True and token-id prompts"
+        )
+    advice = "pass tokenizer=DIR, or skip_tokenizer_init=True and token-id prompts"
+    if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"no tokenizer in {source!r} (looked for {', '.join(TOKENIZER_FILES)}): {advice}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except Exception as e:  # (transformers raises many kinds for a broken tokenizer)
+        raise ValueError(f"cannot load the tokenizer in {source!r} ({e}): {advice}") from e
+    if len(tokenizer) == 0:
+        raise ValueError(f"the tokenizer in {source!r} has an empty vocabulary: {advice}")
+    return tokenizer
+
+
+def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) -> set[int]:
+    """Every eos id: generation_config.json's, config.json's and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    generation = Path(config.model) / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{generation} is not a JSON object: {e}") from e
+        ids |= set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class RequestFactory:
+    """Builds validated requests for one engine: its tokenizer, vocabulary, model length and
+    cache size; sequence and request ids unique within it."""
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        max_logprobs: int,
+        block_manager: BlockManager,
+    ) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
+        self.block_manager = block_manager
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    def make(
+        self, prompt, params=None, request_id=None, notify=None, stream_deltas: bool = True
+    ) -> Request:
+        """A validated request (``ValueError`` / ``TypeError`` for bad input). With
+        ``stream_deltas`` False its stream gets a single output, when it finishes."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than the maximum model "
+                f"length of {self.max_model_len} tokens (with at least one token to "
+                "generate)"
+            )
+        needed = self.block_manager.num_blocks_for(len(ids) + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) needs {needed} KV blocks, more than "
+                f"the cache holds ({self.block_manager.num_blocks})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        most = min(self.max_logprobs, vocab)
+        if params.logprobs is not None and params.logprobs > most:
+            raise ValueError(
+                f"logprobs ({params.logprobs}) is over the engine's limit of {most} "
+                "(max_logprobs, the vocabulary size)"
+            )
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        now = time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seq_params = params
+            if params.seed is not None and i:
+                seed = params.seed + i
+                seed -= 2**64 if seed >= 2**64 else 0  # (within 64 bits)
+                seq_params = SamplingParams(**{**params.__dict__, "seed": seed})
+            seqs.append(Sequence(next(self._seq_ids), ids, seq_params, now))
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+                if self.tokenizer is not None
+                else None
+            )
+        return Request(
+            request_id,
+            text,
+            ids,
+            params,
+            RequestStream(request_id, notify),
+            seqs,
+            detoks,
+            now,
+            [0] * params.n,
+            [None] * params.n,
+            [[] for _ in range(params.n)],
+            stream_deltas=stream_deltas,
+        )
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer: pass token ids (skip_tokenizer_init is set)"
+                )
+            return prompt, self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError("a prompt is a string or a list of token ids")
+        vocab = self.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
