@@ -5,7 +5,7 @@ caching host allocator (tens of microseconds each on a busy host), per copy. A `
 keeps a few pinned buffers and cycles through them: a step's inputs are written into the next
 buffer with one ``memmove`` and copied to the device without waiting for the step the device
 is running. A buffer is written again only once its last copy has been done (its event),
-which with several buffers in turn has long happened.
+which with several buffers in turn (a step uses one or two) has long happened.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ DTYPES = {"i": torch.int32, "q": torch.int64, "f": torch.float32, "d": torch.flo
 
 
 class PinnedStaging:
-    def __init__(self, device: torch.device, slots: int = 3, nbytes: int = 1 << 16) -> None:
+    def __init__(self, device: torch.device, slots: int = 6, nbytes: int = 1 << 16) -> None:
         self.device = device
         self._buffers = [
             torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)
