@@ -1,8 +1,8 @@
 """CUDA graphs of decode-only steps: inputs, model, LM head and sampling in one replay.
 
-A decode step's host work is what bounds small batches, so a graph does all of it that can
-run on the device. The host writes the step as one int32 array (below) into a pinned buffer,
-one copy brings it to the device, and one replay unpacks it (token ids, the previous step's
+The host's part of a decode step is kept to a little Python, one copy and one replay. It
+writes the step as one int32 array (below) into a pinned buffer, one copy brings it to the
+device, and one replay unpacks it (token ids, the previous step's
 tokens where the inputs are still pending, positions, block tables, cache slots), runs the
 model and the LM head, and, when the step's rows take the fused sampling pass (no top-k,
 top-p, min-p, logprobs, penalties or min_tokens), draws the tokens too, into ``sampled``,
@@ -51,7 +51,7 @@ class DecodeGraphs:
         self.inputs = self.inputs.to(dev)
         self.sampled = torch.zeros(biggest, dtype=torch.int64, device=dev)
         self._sample = sample
-        # size -> (graph, logits [size, vocab] or None, tokens drawn or None)
+        # size -> (graph, its logits [size, vocab] or None (TP workers), whether it draws)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None, bool]] = {}
         start = time.perf_counter()
         pool = None
