@@ -64,6 +64,21 @@ def test_graph_decodes_and_sampling_at_held_out_shapes_within_3_percent(model):
         assert model.sample_time(n) == pytest.approx(sample_seconds(n), rel=0.03)
 
 
+def test_a_graph_decode_of_fused_rows_pays_no_separate_sampling():
+    """The engine's decode graphs draw greedy and plain random rows themselves (the profiled
+    graph time includes it); top-p and the like, and every eager step, sample after."""
+    profile = synthetic_profile()
+    profile.sampling["top_p"] = [(r, 3 * s) for r, s in profile.sampling["greedy"]]
+    decode = BatchShape([], [500] * 8, 8)
+    mixed = BatchShape([(64, 0)], [500] * 8, 9)
+    fused = ProfiledCostModel(profile, frontend="offline", sampling="greedy")
+    filtered = ProfiledCostModel(profile, frontend="offline", sampling="top_p")
+    assert fused.step_cost(decode).sample == 0
+    assert fused.step_cost(mixed).sample == pytest.approx(sample_seconds(9), rel=0.03)
+    assert filtered.step_cost(decode).sample == pytest.approx(3 * sample_seconds(8), rel=0.03)
+    assert fused.step_cost(decode).forward == filtered.step_cost(decode).forward
+
+
 def test_a_what_if_graph_size_between_profiled_ones(model):
     """max_num_seqs 40 captures a graph of 40 rows, which the profile (64) never ran: its time
     lies between the neighbouring sizes'."""

@@ -7,7 +7,9 @@ Device time of a step:
 - any other step runs eagerly: a fit with non-negative coefficients over the batch's features
   (a convex piecewise-linear cost of its tokens for the matmuls, attention pairs weighted by
   the chunks' lengths, KV read by prefill chunks and decodes, per-sequence costs);
-- sampling: interpolated over the sampled rows, for the kind of sampling the requests use.
+- sampling: interpolated over the sampled rows, for the kind of sampling the requests use;
+  none after a CUDA-graph decode whose rows take the fused pass (greedy, random: the graph
+  draws them itself, and the profiled graph time includes the draw).
 
 Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negative linear fits
 over the step records the profile measured through the chosen frontend (``offline``: the
@@ -41,6 +43,8 @@ from nano_scheduler.sim.profile import (
     StepRecord,
 )
 
+# The sampling kinds whose rows a decode CUDA graph draws itself (the sampler's fused pass).
+GRAPH_DRAWN = ("greedy", "random")
 _FAR = 1.25  # asked beyond this factor of the profiled range: warn
 
 
@@ -116,9 +120,9 @@ class ProfiledCostModel:
     def step_cost(self, batch: BatchShape) -> StepCost:
         eager = self.is_eager(batch)
         schedule, launch, sample = self._host.step(batch, eager)
-        return StepCost(
-            schedule, launch, self.forward_time(batch), sample, self.sample_time(batch.num_sampled)
-        )
+        drawn = not eager and self.sampling in GRAPH_DRAWN
+        device_sample = 0.0 if drawn else self.sample_time(batch.num_sampled)
+        return StepCost(schedule, launch, self.forward_time(batch), sample, device_sample)
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         return self._host.resolve(resolved, finished, outputs)
