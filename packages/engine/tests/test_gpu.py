@@ -263,12 +263,18 @@ def test_a_graph_draws_the_tokens_the_sampler_would(checkpoints):
     sampler_after = SamplingParams(temperature=0.9, max_tokens=32, ignore_eos=True, logprobs=1)
     with LLM(path, device="cuda", kvcache_block_size=16, gpu_memory_utilization=0.3) as llm:
         assert llm.engine.runner.graphs is not None
+        sampler, draws = llm.engine.sampler, []
+        drawn = sampler.drawn
+        sampler.drawn = lambda tokens: draws.append(len(tokens)) or drawn(tokens)
         fused = llm.generate([prompt, prompt], [seeded, drawn_in_graph], use_tqdm=False)
+        assert len(draws) >= 30  # (every decode step but those the prefill's step ran)
         eager = llm.generate([prompt, prompt], [seeded, sampler_after], use_tqdm=False)
         greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         in_graph = llm.generate([prompt], greedy, use_tqdm=False)
         with_logprobs = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+        before = len(draws)
         outside = llm.generate([prompt], with_logprobs, use_tqdm=False)
+        assert len(draws) == before  # the sampler drew these
     assert fused[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
     assert len(set(fused[0].outputs[0].token_ids)) > 1
     assert in_graph[0].outputs[0].token_ids == outside[0].outputs[0].token_ids

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from nano_engine.staging import PinnedStaging
 from nano_models import ForwardContext
 from nano_models.context import longest_first
 from nano_scheduler import cuda_graph_sizes
+
+if TYPE_CHECKING:
+    from nano_engine.model_runner import ModelRunner, StepInput
+    from nano_engine.sampler import FusedRows
 
 log = logging.getLogger("nano_engine")
 
@@ -39,7 +44,7 @@ class DecodeGraphs:
     pool; a batch runs in the smallest that fits it. ``sample``: draw in the graph (rank 0)."""
 
     def __init__(
-        self, runner, max_num_seqs: int, staging: PinnedStaging, sample: bool = True
+        self, runner: ModelRunner, max_num_seqs: int, staging: PinnedStaging, sample: bool = True
     ) -> None:
         self.runner, self.staging = runner, staging
         self.sizes = cuda_graph_sizes(max_num_seqs)
@@ -88,7 +93,7 @@ class DecodeGraphs:
         self.sampled[:size].copy_(gumbel.gumbel_argmax(logits, inv_temperature, seeds))
         return logits, True
 
-    def fits(self, step) -> bool:
+    def fits(self, step: StepInput) -> bool:
         return len(step.query_lens) <= self.sizes[-1]
 
     def release(self) -> None:
@@ -97,11 +102,17 @@ class DecodeGraphs:
         self.graphs.clear()
 
     def run(
-        self, step, previous: torch.Tensor | None = None, sampling=None
+        self,
+        step: StepInput,
+        previous: torch.Tensor | None = None,
+        sampling: FusedRows | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Replay a decode step: (logits [b, vocab] or None, tokens [b] drawn in the graph or
-        None). ``previous``: the previous step's tokens, where some inputs are pending;
-        ``sampling``: the rows' ``FusedRows`` when they all take the fused pass."""
+        None; both views of the graph's buffers, valid until the next replay). ``previous``:
+        the previous step's tokens, where some inputs are pending; ``sampling``: the rows'
+        ``FusedRows`` when they all take the fused pass."""
+        if step.pending_rows and previous is None:
+            raise ValueError("the step has pending inputs but no previous sampled tokens")
         b = len(step.query_lens)
         size = next(s for s in self.sizes if s >= b)
         staged = stage(step, size, sampling)
@@ -118,7 +129,7 @@ class DecodeGraphs:
         return (logits[:b] if logits is not None else None), tokens
 
 
-def stage(step, size: int, sampling=None) -> array:
+def stage(step: StepInput, size: int, sampling: FusedRows | None = None) -> array:
     """A decode-only ``StepInput`` of b <= ``size`` rows as the int32 array a graph of
     ``size`` rows reads (the module docstring's layout); ``sampling``: its ``FusedRows``."""
     b = len(step.query_lens)

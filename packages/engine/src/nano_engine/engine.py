@@ -225,6 +225,7 @@ class LLMEngine:
 
     def _loop(self) -> None:
         try:
+            self.runner.bind_thread()
             while True:
                 with self._cond:
                     while not (

@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import torch
 
+from nano_engine import gumbel
 from nano_engine.config import EngineConfig
 from nano_engine.cuda_graphs import DecodeGraphs
+from nano_engine.sampler import FusedRows
 from nano_engine.staging import PinnedStaging
 from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
@@ -83,7 +85,8 @@ class StepInput:
 
 class StepResult(NamedTuple):
     """What ``ModelRunner.execute`` returns: the logits of the sampled rows [S, vocab] (rank 0;
-    None elsewhere) and, when a CUDA graph drew them, the tokens [S] int64 on the device."""
+    None elsewhere) and, when a CUDA graph drew them, the tokens [S] int64 on the device. A
+    graph's are views of its buffers: valid until the next step is launched."""
 
     logits: torch.Tensor | None
     tokens: torch.Tensor | None = None
@@ -176,9 +179,8 @@ class ModelRunner:
         )
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.supports_cuda_graphs:
-                self.graphs = DecodeGraphs(
-                    self, config.max_num_seqs, self.staging, sample=tp.rank == 0
-                )
+                draw = tp.rank == 0 and gumbel.available(device)  # (workers get rank 0's)
+                self.graphs = DecodeGraphs(self, config.max_num_seqs, self.staging, sample=draw)
             else:
                 log.info(
                     "attention backend %s cannot run in CUDA graphs: eager decode",
@@ -300,6 +302,12 @@ class ModelRunner:
 
     # ---- a step ------------------------------------------------------------------------------
 
+    def bind_thread(self) -> None:
+        """Make the runner's device the calling thread's current one (the step loop's thread:
+        events and copies there go to this device's stream, whatever the caller had set)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     @property
     def synchronous(self) -> bool:
         """Whether a step computes before ``execute`` returns (not a CUDA device)."""
@@ -364,7 +372,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, step: StepInput, previous: torch.Tensor | None = None, sampling=None
+        self,
+        step: StepInput,
+        previous: torch.Tensor | None = None,
+        sampling: FusedRows | None = None,
     ) -> StepResult:
         """Run the model on a step. ``previous``: the previous step's sampled tokens [S] on the
         device (async scheduling); ``sampling``: the rows' ``FusedRows`` when they all take the

@@ -335,8 +335,9 @@ class SampledTokens:
 
 
 class _HostTokens:
-    """Pinned buffers for sampled tokens, used in turn: a step's tokens are read (``result``)
-    before the loop launches two more steps, so three never overlap."""
+    """Pinned buffers for sampled tokens, used in turn. The engine's loop takes one per step
+    and reads it (``result``) in the next iteration, before the step after takes another: with
+    three, a buffer is never written while its tokens are still unread."""
 
     def __init__(self, slots: int = 3) -> None:
         self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(slots)]
