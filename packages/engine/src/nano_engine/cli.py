@@ -12,54 +12,215 @@ import argparse
 import json
 import logging
 import random
+import re
 import sys
 import threading
 import time
-import typing
-from dataclasses import MISSING, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from nano_engine.config import EngineConfig
+from nano_engine._version import __version__
+from nano_engine.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from nano_scheduler.config import POLICIES
+
+
+def _number(kind: type, text: str) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{'an integer' if kind is int else 'a number'} is needed, got {text!r}"
+        ) from None
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _gigabytes(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GB > 0, got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    value = _number(float, text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 
+def _grace(text: str) -> float:
+    value = _number(float, text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
-    port = int(text)
+    port = _number(int, text)
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends "(default: ...)" to an option's help unless the help already says it or there is
+    no default worth showing (None, or an on/off flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or "default:" in text
+            or not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+            or (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction))
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """How one EngineConfig field is spelled on the command line: its flags (vLLM's name first
+    where vLLM has the option; ours after it where it already shipped), help and checks."""
+
+    flags: tuple[str, ...]
+    help: str
+    type: Callable[[str], object] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+ENGINE_OPTIONS: dict[str, EngineOption] = {
+    "tokenizer": EngineOption(
+        ("--tokenizer",), "tokenizer directory (default: the model's)", str, metavar="DIR"
+    ),
+    "skip_tokenizer_init": EngineOption(
+        ("--skip-tokenizer-init",),
+        "load no tokenizer: prompts are token ids (bench and profile set it for "
+        "--load-format dummy without --tokenizer)",
+    ),
+    "max_num_batched_tokens": EngineOption(
+        ("--max-num-batched-tokens",), "the most tokens one step computes", _positive
+    ),
+    "max_num_seqs": EngineOption(
+        ("--max-num-seqs",), "the most sequences running at once", _positive
+    ),
+    "max_model_len": EngineOption(
+        ("--max-model-len",),
+        "the longest sequence, prompt and output (default and cap: the model's "
+        "max_position_embeddings)",
+        _positive,
+    ),
+    "gpu_memory_utilization": EngineOption(
+        ("--gpu-memory-utilization",),
+        "share of the GPU's memory the engine may use, the KV cache sized to fill it (CUDA only)",
+        _fraction,
+    ),
+    "kv_cache_memory_gb": EngineOption(
+        ("--kv-cache-memory-gb",), "GB of KV cache (CPU only; default: 1)", _gigabytes
+    ),
+    "tensor_parallel_size": EngineOption(
+        ("--tensor-parallel-size", "-tp"), "GPUs to shard the model over", _positive
+    ),
+    "enforce_eager": EngineOption(
+        ("--enforce-eager",), "decode without CUDA graphs (on CUDA they are captured)"
+    ),
+    "kvcache_block_size": EngineOption(
+        ("--block-size", "--kvcache-block-size"), "tokens per KV-cache block", _positive
+    ),
+    "num_kvcache_blocks": EngineOption(
+        ("--num-kvcache-blocks", "--num-gpu-blocks-override"),
+        "KV-cache blocks, overriding --gpu-memory-utilization and --kv-cache-memory-gb "
+        "(default: sized from those)",
+        _positive,
+    ),
+    "dtype": EngineOption(
+        ("--dtype",), "weights and activations (auto: the checkpoint's)", str, DTYPES
+    ),
+    "seed": EngineOption(("--seed",), "random seed of the engine (dummy weights, sampling)", int),
+    "load_format": EngineOption(
+        ("--load-format",),
+        "auto: the checkpoint's safetensors; dummy: random weights (config.json alone)",
+        str,
+        LOAD_FORMATS,
+    ),
+    "enable_prefix_caching": EngineOption(
+        ("--enable-prefix-caching",), "reuse the KV blocks of prompt prefixes already computed"
+    ),
+    "enable_chunked_prefill": EngineOption(
+        ("--enable-chunked-prefill",), "split long prompts over several steps"
+    ),
+    "scheduling_policy": EngineOption(
+        ("--scheduling-policy",), "what a step schedules first", str, POLICIES
+    ),
+    "attention_backend": EngineOption(
+        ("--attention-backend",),
+        "auto (flash_attn, else triton on CUDA, else torch), or a backend's name",
+        str,
+        metavar="NAME",
+    ),
+    "device": EngineOption(("--device",), "auto: CUDA when available", str, DEVICES),
+    "async_scheduling": EngineOption(
+        ("--async-scheduling",),
+        "schedule each step while the previous one runs (default: on)",
+    ),
+    "max_logprobs": EngineOption(
+        ("--max-logprobs",), "the most logprobs a request may ask for", _non_negative
+    ),
+}
+
+
+_METAVARS = {_positive: "N", _non_negative: "N", int: "N", _fraction: "FRACTION", _gigabytes: "GB"}
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One --option per EngineConfig field (model is positional)."""
+    """One option per EngineConfig field (model is positional), as ENGINE_OPTIONS spells it."""
     group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         if f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        option = ENGINE_OPTIONS[f.name]
         default = None if f.default is MISSING else f.default
-        hint = hints[f.name]
-        if hint is bool or bool in typing.get_args(hint):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = next(
-                (t for t in (int, float, str) if t in typing.get_args(hint) or t is hint), str
+        if option.type is None:  # (an on/off flag: --NAME and --no-NAME)
+            group.add_argument(
+                *option.flags,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=option.help,
             )
-            group.add_argument(flag, type=kind, default=default)
+        else:
+            group.add_argument(
+                *option.flags,
+                dest=f.name,
+                type=option.type,
+                choices=option.choices,
+                metavar=option.metavar or _METAVARS.get(option.type),
+                default=default,
+                help=option.help,
+            )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -74,7 +235,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value = getattr(config, f.name)
         if f.name == "model" or value == f.default:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = ENGINE_OPTIONS[f.name].flags[0]
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
@@ -84,43 +245,80 @@ def engine_flags(config: EngineConfig) -> list[str]:
 
 def sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=64)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sample-seed", type=int, default=None)
-    group.add_argument("--stop", action="append", default=None)
-    group.add_argument("--ignore-eos", action="store_true")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="nano-engine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    group.add_argument("--max-tokens", type=_positive, default=64, help="tokens to generate")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy; higher, more random"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    commands = parser.add_subparsers(dest="command", required=True)
+    group.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from this share of probability (1: all)"
+    )
+    group.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 or -1: all)"
+    )
+    group.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest"
+    )
+    group.add_argument(
+        "--sample-seed", type=int, help="seed of each request's sampling (default: unseeded)"
+    )
+    group.add_argument("--stop", action="append", help="a string that ends the output (repeatable)")
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="generate on past the end-of-sequence token"
+    )
 
-    gen = commands.add_parser("generate", help="complete prompts")
+
+def add_common_options(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    """-v also after the subcommand: there SUPPRESS keeps the top level's value unless given."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if top_level else argparse.SUPPRESS,
+        help="log engine details (INFO)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nano-engine", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    add_common_options(parser, top_level=True)
+    commands = parser.add_subparsers(dest="command", required=True, title="commands")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        add_common_options(sub)
+        return sub
+
+    gen = command("generate", "complete prompts")
     gen.add_argument("model", help="checkpoint directory")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    gen.add_argument("--prompts-file", type=Path, help="a file of prompts, one per line")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     sampling_options(gen)
     add_engine_options(gen)
 
-    bench = commands.add_parser("bench", help="nano-vllm's throughput benchmark")
+    bench = command("bench", "nano-vllm's throughput benchmark")
     bench.add_argument(
         "model", help="checkpoint directory, or a config.json with --load-format dummy"
     )
-    bench.add_argument("--num-seqs", type=int, default=256)
+    bench.add_argument("--num-seqs", type=_positive, default=256, help="requests in the workload")
     bench.add_argument(
-        "--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+        "--input-len",
+        type=_positive,
+        nargs=2,
+        default=(100, 1024),
+        metavar=("MIN", "MAX"),
+        help="prompt lengths, uniform in MIN..MAX (default: 100 1024)",
     )
     bench.add_argument(
-        "--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX")
+        "--output-len",
+        type=_positive,
+        nargs=2,
+        default=(100, 1024),
+        metavar=("MIN", "MAX"),
+        help="output lengths, uniform in MIN..MAX (default: 100 1024)",
     )
     bench.add_argument("--bench-seed", type=int, default=0, help="seed of the workload")
     bench.add_argument(
@@ -135,24 +333,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_engine_options(bench)
 
-    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    srv = command("serve", "an OpenAI-compatible HTTP server")
     srv.add_argument("model", help="checkpoint directory")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    srv.add_argument("--port", type=_port, default=8000, help="1-65535")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind")
+    srv.add_argument("--port", type=_port, default=8000, help="port to bind, 1-65535")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    srv.add_argument("--served-model-name", help="the model's name in requests (default: MODEL)")
     srv.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
+        "--served-model-name", help="the model's name in requests (default: MODEL as given)"
+    )
+    srv.add_argument(
+        "--max-body-bytes", type=_positive, default=1 << 20, help="larger request bodies get 413"
     )
     srv.add_argument(
         "--max-queue",
-        type=int,
+        type=_positive,
         default=1024,
         help="sequences queued or running (n each) beyond which new requests get 503",
     )
     srv.add_argument(
         "--grace-period",
-        type=float,
+        type=_grace,
         default=30.0,
         help="seconds in-flight requests may run on after SIGTERM (then: 503, or a last error "
         "event in a stream)",
@@ -197,9 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_engine_options(srv)
 
-    prof = commands.add_parser(
+    prof = command(
         "profile",
-        help="measure the engine for nano-sim: step times over a grid of batch shapes, the "
+        "measure the engine for nano-sim: step times over a grid of batch shapes, the "
         "loop's host time offline and through the server",
     )
     prof.add_argument(
@@ -215,7 +415,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip the measurements through the HTTP server (no nano-engine[serve])",
     )
     add_engine_options(prof)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +432,23 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": generate, "bench": bench, "serve": serve, "profile": profile}
         return commands[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"nano-engine: error: {e}", file=sys.stderr)
+        print(f"nano-engine: error: {in_flags(str(e))}", file=sys.stderr)
         return 2
+
+
+def in_flags(message: str) -> str:
+    """An engine error as the command line spells it: ``max_model_len`` reads ``--max-model-len``
+    and ``skip_tokenizer_init=True`` reads ``--skip-tokenizer-init``. A bare name is rewritten
+    only when it has an underscore (``device`` is also an English word), never inside a path."""
+    for name, option in ENGINE_OPTIONS.items():
+        flag, before = option.flags[0], r"(?<![\w/.-])"
+        if option.type is None:
+            message = re.sub(rf"{before}{name}=True\b", flag, message)
+            message = re.sub(rf"{before}{name}=False\b", "--no-" + flag[2:], message)
+        message = re.sub(rf"{before}{name}=", flag + " ", message)
+        if "_" in name:
+            message = re.sub(rf"{before}{name}(?![\w/-]|\.\w)", flag, message)
+    return message
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -261,6 +480,11 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def status(line: str) -> None:
+    """A progress line of a long command, on stderr (stdout keeps the results)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def bench_workload(
     seed: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int]
 ) -> tuple[random.Random, list[list[int]], list[int]]:
@@ -283,6 +507,7 @@ def bench(args: argparse.Namespace) -> int:
         args.bench_seed, args.num_seqs, args.input_len, args.output_len
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    status(f"loading {args.model} ...")
     with LLM(args.model, **kwargs) as llm:
         # Warm-up: prefill, mixed and decode steps of several sizes, so that nothing is
         # compiled (Triton, Inductor, cuBLAS heuristics) inside the timed runs.
@@ -291,11 +516,13 @@ def bench(args: argparse.Namespace) -> int:
         vocab = llm.engine.model_config.vocab_size
         if vocab <= 10_000:  # (a small test model: the same draws, folded into its vocabulary)
             prompts, warm = ([[t % vocab for t in p] for p in ps] for ps in (prompts, warm))
-        llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+        status(f"warming up ({len(warm)} sequences, not timed) ...")
+        llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True))
         engine = llm.engine
         times, hits = [], []
         blocks = engine.scheduler.block_manager
-        for _ in range(args.repeat):
+        for run in range(args.repeat):
+            status(f"timed run {run + 1} of {args.repeat}: {len(prompts)} sequences ...")
             # Every run computes its prompts afresh, as the single run of nano-vllm's benchmark
             # does: nothing found in the prefix cache from the run before.
             llm.reset_prefix_cache()
@@ -303,7 +530,7 @@ def bench(args: argparse.Namespace) -> int:
             if args.step_log:
                 engine.record_steps(args.step_log)
             start, hit = time.perf_counter(), blocks.hit_tokens
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params)
             times.append(time.perf_counter() - start)
             hits.append(blocks.hit_tokens - hit)
         elapsed = min(times)
