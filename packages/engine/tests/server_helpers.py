@@ -64,6 +64,12 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("the server did not become healthy")
 
+    def output(self) -> str:
+        """What the server has written to stdout and stderr so far."""
+        # A new open file: seeking the shared one would move the server's write offset too.
+        with open(f"/proc/self/fd/{self.log.fileno()}") as f:
+            return f.read()
+
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get(vllm_metric(name, self.model, **labels), 0.0)
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from server_helpers import ServerProcess, vllm_metric
 
-from nano_engine import LLM, SamplingParams
+from nano_engine import LLM, SamplingParams, __version__
 
 KEY = "test-key"
 OPTIONS = (
@@ -185,6 +185,49 @@ def test_models_health_tokenize(server, checkpoints, llm):
         f"{server.url}/detokenize", headers=headers, json={"tokens": ids["tokens"]}
     ).json()
     assert text["prompt"] == "Hello world"
+
+
+def test_version_and_the_start_up_line_without_access_log(server, checkpoints):
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+    # (ServerProcess returned once /health answered, so the line came before that.)
+    out = server.output()
+    assert f"serving {model_name(checkpoints)} on {server.url}" in out
+    assert " INFO " in next(line for line in out.splitlines() if "serving " in line)
+    assert "GET /version" not in out  # the access log is off by default
+
+
+def test_access_log_has_a_line_per_request(checkpoints):
+    srv = ServerProcess(checkpoints("qwen3"), "--max-model-len", "256", "--access-log")
+    try:
+        assert httpx.get(f"{srv.url}/version").status_code == 200
+        assert httpx.get(f"{srv.url}/no-such-route").status_code == 404
+        deadline = time.monotonic() + 10
+        while "/no-such-route" not in srv.output() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = srv.output()
+        assert '"GET /version HTTP/1.1" 200' in out
+        assert '"GET /no-such-route HTTP/1.1" 404' in out
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_taken_port_is_a_one_line_error(checkpoints):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = ["serve", checkpoints("qwen3"), "--port", str(port)]
+        run = subprocess.run(
+            [sys.executable, "-m", "nano_engine.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode == 1
+    assert run.stdout == ""
+    assert run.stderr == (
+        f"nano-engine: error: cannot serve on 127.0.0.1:{port}: the address is already in use\n"
+    )
 
 
 def post(server, path, body=None, content=None, key=KEY):

@@ -390,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads that tokenize and build large responses off the event loop",
     )
     srv.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log a line per request (client, method, path, status) to stdout; off by "
+        "default, as it costs throughput under load",
+    )
+    srv.add_argument(
         "--step-log",
         type=Path,
         help="write every iteration of the engine's loop and every request as JSON lines "
@@ -577,8 +583,16 @@ def bench(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from nano_engine.config import EngineConfig
     from nano_engine.engine import LLMEngine
+    from nano_engine.server import bind
     from nano_engine.server import serve as run_server
 
+    # The server says when it is ready (INFO) without -v; the engine's details stay behind -v.
+    logging.getLogger("nano_engine.server").setLevel(logging.INFO)
+    try:
+        sock = bind(args.host, args.port)  # before the model loads: a taken port fails at once
+    except OSError as e:
+        print(f"nano-engine: error: {e.strerror}", file=sys.stderr)
+        return 1
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
     if args.step_log:  # (the server's event loop runs in this thread)
         engine.record_steps(args.step_log, watch=threading.main_thread())
@@ -596,6 +610,8 @@ def serve(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections,
         cpu_workers=args.cpu_workers,
+        access_log=args.access_log,
+        sock=sock,
     )
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nano_engine._version import __version__
 from nano_engine.connections import Gate, error_body, error_response, http_protocol
 from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs
@@ -129,6 +132,7 @@ class Server:
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        app.get("/version")(self.version)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
@@ -141,6 +145,9 @@ class Server:
         return error_response(
             503, f"the engine is not running: {self.engine.error}", "service_unavailable"
         )
+
+    async def version(self) -> dict:
+        return {"version": __version__}
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -630,6 +637,22 @@ def raise_open_file_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening: connections are refused until the
+    server starts). Bind it before loading the model, so that a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (restarts despite TIME_WAIT)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        reason = "the address is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise OSError(e.errno, f"cannot serve on {where}: {reason or e}") from None
+    return sock
+
+
 def serve(
     engine: LLMEngine,
     model_name: str,
@@ -644,9 +667,13 @@ def serve(
     keep_alive_timeout: float = 5.0,
     max_connections: int = 1024,
     cpu_workers: int = 2,
+    access_log: bool = False,
+    sock: socket.socket | None = None,
 ) -> int:
     """Run until SIGINT / SIGTERM: stop accepting, close idle and stalled connections, let
-    in-flight requests finish within the grace period (then they get 503), shut down."""
+    in-flight requests finish within the grace period (then they get 503), shut down.
+    ``access_log``: a line per request (off by default: it costs throughput). ``sock``: from
+    ``bind(host, port)``, else bound here."""
     import uvicorn
 
     # The engine's step loop shares the GIL with this event loop; every time it waits for the
@@ -684,6 +711,12 @@ def serve(
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                log.info("serving %s on %s", model_name, url)
+
         async def shutdown(self, sockets=None):
             asyncio.get_running_loop().call_later(grace_period, routes.expire)
             await super().shutdown(sockets)
@@ -698,12 +731,13 @@ def serve(
         timeout_keep_alive=keep_alive_timeout,
         http=http_protocol(read_timeout, max_connections),
         backlog=min(2048, max_connections),
-        access_log=False,
+        access_log=access_log,
     )
+    if access_log:  # (uvicorn's logger, at the level of the rest of its logs otherwise)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = GracefulServer(config)
-    log.warning("serving %s on http://%s:%d", model_name, host, port)
     try:
-        server.run()
+        server.run(sockets=[sock or bind(host, port)])
     finally:
         routes.pool.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
