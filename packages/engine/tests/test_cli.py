@@ -194,20 +194,15 @@ VLLM_SPELLINGS = [
     "--num-gpu-blocks-override", "100",
     "--load-format", "dummy",
 ]  # fmt: skip
+# ours, where they differ from vLLM's
 OURS = [
-    "--tensor-parallel-size", "2",
-    "--kvcache-block-size", "32",
-    "--dtype", "bfloat16",
-    "--gpu-memory-utilization", "0.8",
-    "--max-model-len", "4096",
-    "--no-enable-prefix-caching",
-    "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "2048",
-    "--enforce-eager",
-    "--seed", "7",
-    "--num-kvcache-blocks", "100",
-    "--load-format", "dummy",
-]  # fmt: skip
+    {
+        "-tp": "--tensor-parallel-size",
+        "--block-size": "--kvcache-block-size",
+        "--num-gpu-blocks-override": "--num-kvcache-blocks",
+    }.get(arg, arg)
+    for arg in VLLM_SPELLINGS
+]
 
 
 def test_vllm_flag_spellings_and_ours_give_the_same_engine():
