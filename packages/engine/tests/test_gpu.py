@@ -35,6 +35,7 @@ def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, a
         }
         with LLM(path, **options) as llm:
             assert (llm.engine.runner.graphs is None) == eager
+            assert (llm.engine.runner.pieces is None) == eager
             assert llm.engine.runner.backend.name == backend
             outputs = llm.generate(
                 sample_prompts(),
@@ -278,3 +279,37 @@ def test_a_graph_draws_the_tokens_the_sampler_would(checkpoints):
     assert fused[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
     assert len(set(fused[0].outputs[0].token_ids)) > 1
     assert in_graph[0].outputs[0].token_ids == outside[0].outputs[0].token_ids
+
+
+def test_piecewise_graphs_compute_what_the_eager_forward_does(checkpoints):
+    """A mixed step (a fresh prompt chunk, a chunk after cached tokens, decodes) of a token
+    count between two captured sizes, in the piecewise graphs and eagerly: the same logits, and
+    the same KV cache after it (the step's K/V stored, nothing at the padding tokens)."""
+    from nano_engine.model_runner import StepInput
+
+    path = checkpoints("qwen3", dtype=torch.float32)
+    options = {"device": "cuda", "dtype": "float32", "kvcache_block_size": 16}
+    with LLM(path, **options, num_kvcache_blocks=64, max_num_batched_tokens=256) as llm:
+        runner = llm.engine.runner
+        pieces = runner.pieces
+        assert pieces is not None and pieces.size_for(100) == 128
+        ids = [(7 * i) % 200 + 3 for i in range(100)]
+        tables = [[0, 1, 2, 3], [4, 5, 6, 7]] + [[8 + 2 * d, 9 + 2 * d] for d in range(10)]
+        seq_lens = [60, 50] + [20 + d for d in range(10)]
+        query_lens = [60, 30] + [1] * 10
+        step = StepInput(ids, query_lens, seq_lens, tables, 2, [59, 89, *range(90, 100)])
+        results = []
+        # a step of 120 tokens first, into blocks 40-47: the padding must not reuse its slots
+        longer = StepInput([5] * 120, [120], [120], [list(range(40, 48))], 1, [119])
+        for graphs in (None, pieces):
+            runner.pieces = graphs
+            runner.execute(longer)
+            runner.kv_cache.fill_(0.25)
+            logits = runner.execute(step).logits.clone()
+            results.append((logits, runner.kv_cache.clone()))
+        runner.pieces = pieces
+    (eager_logits, eager_cache), (piece_logits, piece_cache) = results
+    torch.testing.assert_close(piece_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(piece_cache, eager_cache, atol=1e-4, rtol=1e-4)
+    written = (eager_cache != 0.25).flatten(3).any(-1)  # [layers, 2, blocks, kv_heads]
+    assert written.any() and not written[:, :, 28:].any()  # (blocks past the step's: unwritten)

@@ -4,8 +4,9 @@ on the grid ``nano-engine profile`` measures: what the calibrated model is check
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 
-from nano_scheduler import cuda_graph_sizes
+from nano_scheduler import cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim.grid import Grid
 from nano_scheduler.sim.profile import EngineSettings, GridPoint, Profile, StepRecord
 
@@ -21,12 +22,15 @@ MODEL = {
 MAX_SEQS, BUDGET, MAX_LEN, BLOCKS = 64, 8192, 16384, 60_000
 
 
-def eager_seconds(prefills, num_decodes: int, decode_context: int) -> float:
+def eager_seconds(prefills, num_decodes: int, decode_context: int, sizes=()) -> float:
     """A roofline-like eager forward: matmuls bound by the weights' read up to a token count,
-    then by compute; attention whose efficiency per (query, key) pair grows with the chunk's
-    length; the keys each chunk and decode reads; a launch cost per sequence."""
+    then by compute (over the tokens padded to the smallest of ``sizes`` that holds them, as
+    piecewise CUDA graphs do); attention whose efficiency per (query, key) pair grows with the
+    chunk's length; the keys each chunk and decode reads; a launch cost per sequence."""
     tokens = sum(n for n, _ in prefills) + num_decodes
-    seconds = max(4e-4, tokens * 2.5e-8) + 1.5e-4
+    if sizes and tokens <= sizes[-1]:
+        tokens = sizes[bisect_left(sizes, tokens)]
+    seconds = max(4096e-7, tokens * 1e-7) + 1.5e-4  # (the kink at a profiled count)
     for n, cached in prefills:
         pairs = n * cached + n * (n + 1) / 2
         seconds += pairs * 4e-13 * (1 + 256 / n) + (cached + n) * 2e-9 + 4e-6
@@ -59,12 +63,13 @@ def host_record(rng: random.Random, t: float) -> StepRecord:
     return r
 
 
-def synthetic_profile(block_size: int = 16) -> Profile:
+def synthetic_profile(block_size: int = 16, piecewise: bool = False) -> Profile:
     sizes = cuda_graph_sizes(MAX_SEQS)
+    pieces = piecewise_graph_sizes(BUDGET) if piecewise else ()
     grid = Grid(MAX_SEQS, BUDGET, MAX_LEN, BLOCKS * block_size, sizes)
     decode = [GridPoint((), b, c, graph_seconds(b, b * c)) for b, c in grid.decode_graphs()]
     eager = [
-        GridPoint(tuple(ch), n, ctx, eager_seconds(ch, n, n * ctx))
+        GridPoint(tuple(ch), n, ctx, eager_seconds(ch, n, n * ctx, pieces))
         for ch, n, ctx in grid.eager()
         if ch
     ]
@@ -84,6 +89,7 @@ def synthetic_profile(block_size: int = 16) -> Profile:
         watermark=0.01,
         async_scheduling=True,
         cuda_graph_sizes=tuple(sizes),
+        piecewise_graphs=piecewise,
     )
     return Profile(
         model=dict(MODEL),

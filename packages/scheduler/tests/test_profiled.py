@@ -21,7 +21,7 @@ from profile_helpers import (
     synthetic_profile,
 )
 
-from nano_scheduler import SchedulerConfig, cuda_graph_sizes
+from nano_scheduler import SchedulerConfig, cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim import BatchShape, DeviceOnlyModel, Request, Simulator
 from nano_scheduler.sim.fit import Piecewise, increasing, nnls
 from nano_scheduler.sim.profile import Profile
@@ -49,6 +49,30 @@ def test_eager_steps_at_held_out_shapes_within_3_percent(model):
         errors.append(model.forward_time(batch) / truth - 1)
     worst = max(abs(e) for e in errors)
     assert worst < 0.03, f"worst relative error {worst:.1%}"
+
+
+def test_piecewise_graphs_pad_an_eager_step_to_the_graph_that_runs_it():
+    """With piecewise CUDA graphs an eager step's matmuls run over its tokens padded to the
+    next captured size: held-out steps within 3% of that, and a what-if token budget pads to
+    the sizes that budget captures (its own largest one included)."""
+    profile = synthetic_profile(piecewise=True)
+    assert profile.engine.piecewise_graphs
+    model = ProfiledCostModel(profile, frontend="offline")
+    sizes = piecewise_graph_sizes(BUDGET)
+    rng = random.Random(4)
+    for _ in range(300):
+        chunks = [(rng.randint(16, BUDGET // 4), rng.choice((0, rng.randint(1, 4000))))]
+        decodes = rng.randint(0, MAX_SEQS)
+        batch = BatchShape(chunks, [700] * decodes, 1 + decodes)
+        truth = eager_seconds(chunks, decodes, batch.decode_context, sizes)
+        assert model.forward_time(batch) == pytest.approx(truth, rel=0.03)
+    # 4,200 tokens run in the graphs of 4,608; a budget of 4,200 captures 4,200 itself
+    batch, chunk = BatchShape([(4200, 0)], [], 1), [(4200, 0)]
+    what_if = ProfiledCostModel(profile, frontend="offline", max_num_batched_tokens=4200)
+    padded, exact = model.forward_time(batch), what_if.forward_time(batch)
+    assert padded == pytest.approx(eager_seconds(chunk, 0, 0, sizes), rel=0.03)
+    assert exact == pytest.approx(eager_seconds(chunk, 0, 0), rel=0.03)
+    assert padded > 1.04 * exact
 
 
 def test_graph_decodes_and_sampling_at_held_out_shapes_within_3_percent(model):

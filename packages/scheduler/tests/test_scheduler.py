@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
 import pickle
 
 import pytest
 from fake_model import make, next_token, run_to_completion, seq, step
 
-from nano_scheduler import FinishReason, ScheduledChunk, SchedulerConfig, SequenceStatus
+from nano_scheduler import (
+    FinishReason,
+    ScheduledChunk,
+    SchedulerConfig,
+    SequenceStatus,
+    piecewise_graph_sizes,
+)
 
 
 def chunks(out):
@@ -373,3 +380,15 @@ def test_next_token_depends_on_history():
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("budget", [1, 15, 16, 100, 512, 513, 2048, 5000, 16384, 65536])
+def test_piecewise_graph_sizes_pad_a_step_by_at_most_an_eighth(budget):
+    """Every token count up to the budget has a size that holds it, the budget itself is one,
+    and above 512 tokens a step pads by at most 1/8 of its tokens (below: to a power of two)."""
+    sizes = piecewise_graph_sizes(budget)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == budget and sizes[0] == min(16, budget)
+    for tokens in range(1, budget + 1, max(1, budget // 997)):
+        size = sizes[bisect.bisect_left(sizes, tokens)]
+        assert size >= tokens
+        assert size - tokens <= (tokens / 8 if tokens > 512 else max(tokens, 16))

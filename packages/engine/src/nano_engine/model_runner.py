@@ -19,6 +19,7 @@ import torch
 from nano_engine import gumbel
 from nano_engine.config import EngineConfig
 from nano_engine.cuda_graphs import DecodeGraphs
+from nano_engine.piecewise import PiecewiseGraphs
 from nano_engine.sampler import FusedRows
 from nano_engine.staging import PinnedStaging
 from nano_kvcache import ops
@@ -153,6 +154,7 @@ class ModelRunner:
             "rank %d: attention backend %s (asked: %s)", tp.rank, backend, config.attention_backend
         )
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
         attn = self.model.attention_layers[0]
         self.layout = KVCacheLayout(
@@ -186,6 +188,8 @@ class ModelRunner:
                     "attention backend %s cannot run in CUDA graphs: eager decode",
                     self.backend.name,
                 )
+        if self.piecewise:
+            self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens)
 
     # ---- KV cache sizing ---------------------------------------------------------------------
 
@@ -226,6 +230,7 @@ class ModelRunner:
         temp_blocks = sum(-(-n // self.block_size) for n in lens)
         temp = self.layout.allocate(temp_blocks, self.device)
         self.model.bind_kv_cache(temp, self.backend)
+        base = torch.cuda.memory_allocated(self.device)
         tables, next_block = [], 0
         for n in lens:
             count = -(-n // self.block_size)
@@ -234,6 +239,9 @@ class ModelRunner:
         ids = [0] * sum(lens)
         rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
         logits = self.execute(StepInput(ids, lens, lens, tables, len(lens), rows)).logits
+        # The piecewise graphs' pool holds the activations of a forward of the most tokens.
+        pieces_reserve = torch.cuda.max_memory_allocated(self.device) - base
+        pieces_reserve = pieces_reserve if self.piecewise else 0
         if logits is not None:  # the sampler's working set at the largest batch
             probs = torch.softmax(logits.float(), -1)
             probs.sort(dim=-1, descending=True)
@@ -259,14 +267,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         temp_bytes = temp_blocks * self.layout.bytes_per_block
+        graph_reserve += pieces_reserve
         budget = total * cfg.gpu_memory_utilization - (peak - temp_bytes) - graph_reserve
         log.info(
             "rank %d: memory peak %.2f GB (temporary cache %.2f GB), CUDA-graph reserve "
-            "%.2f GB, budget %.2f GB of %.2f GB",
+            "%.2f GB (piecewise %.2f GB), budget %.2f GB of %.2f GB",
             self.tp.rank,
             peak / 1e9,
             temp_bytes / 1e9,
             graph_reserve / 1e9,
+            pieces_reserve / 1e9,
             total * cfg.gpu_memory_utilization / 1e9,
             total / 1e9,
         )
@@ -296,9 +306,19 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Destroy the CUDA graphs now (steps run eagerly from then on)."""
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        for graphs in (self.graphs, self.pieces):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.pieces = None
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether steps with attention outside a graph run as piecewise CUDA graphs."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and hasattr(self.model, "piece")
+        )
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -317,9 +337,10 @@ class ModelRunner:
         """Whether this batch's forward runs eagerly (not in a CUDA graph)."""
         return self.graphs is None or bool(out.prefills) or len(out.decodes) > self.graphs.sizes[-1]
 
-    def tensors(self, step: StepInput, previous: torch.Tensor | None = None):
+    def tensors(self, step: StepInput, previous: torch.Tensor | None = None, num_tokens: int = 0):
         """Device tensors of a step: input ids, positions and the ForwardContext. ``previous``:
-        the previous step's sampled tokens, where ``step`` has pending inputs."""
+        the previous step's sampled tokens, where ``step`` has pending inputs; ``num_tokens``:
+        the length of positions and slots (padding: 0 and -1), at least the step's tokens."""
         num_seqs = len(step.query_lens)
         qsl = [0]
         for n in step.query_lens:
@@ -352,7 +373,9 @@ class ModelRunner:
             if previous is None:
                 raise ValueError("the step has pending inputs but no previous sampled tokens")
             ids[pos_t.long()] = previous[prev_t.long()].to(ids.dtype)
-        slots, positions = ops.compute_slot_mapping(tables_t, qsl_t, start_t, self.block_size, t)
+        slots, positions = ops.compute_slot_mapping(
+            tables_t, qsl_t, start_t, self.block_size, max(t, num_tokens)
+        )
         ctx = ForwardContext(
             num_prefills=step.num_prefills,
             num_prefill_tokens=qsl[step.num_prefills],
@@ -382,6 +405,11 @@ class ModelRunner:
         sampler's fused pass, which a decode CUDA graph then runs too."""
         if self.graphs is not None and step.num_prefills == 0 and self.graphs.fits(step):
             return StepResult(*self.graphs.run(step, previous, sampling))
-        ids, positions, ctx = self.tensors(step, previous)
-        hidden = self.model(ids, positions, ctx)
+        t = len(step.input_ids)
+        if self.pieces is not None and self.pieces.fits(t):
+            ids, positions, ctx = self.tensors(step, previous, self.pieces.size_for(t))
+            hidden = self.pieces.run(ids, positions, ctx)
+        else:
+            ids, positions, ctx = self.tensors(step, previous)
+            hidden = self.model(ids, positions, ctx)
         return StepResult(self.model.compute_logits(hidden, ctx))

@@ -1,7 +1,7 @@
 """nano-scheduler: a torch-free continuous-batching scheduler, and a simulator that reuses it."""
 
 from nano_scheduler._version import __version__
-from nano_scheduler.config import SchedulerConfig, cuda_graph_sizes
+from nano_scheduler.config import SchedulerConfig, cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sampling_params import SamplingParams
 from nano_scheduler.scheduler import (
     PENDING_TOKEN,
@@ -27,4 +27,5 @@ __all__ = [
     "SequenceStatus",
     "__version__",
     "cuda_graph_sizes",
+    "piecewise_graph_sizes",
 ]

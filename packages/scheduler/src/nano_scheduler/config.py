@@ -64,3 +64,15 @@ def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
     multiple of 16, and max_num_seqs itself; a batch runs in the smallest that fits it."""
     sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
     return sorted(sizes | set(range(16, max_num_seqs + 1, 16)) | {max_num_seqs})
+
+
+def piecewise_graph_sizes(max_num_batched_tokens: int, per_octave: int = 8) -> list[int]:
+    """The token counts the engine captures piecewise CUDA graphs for (steps whose attention
+    runs outside a graph: prefill chunks, mixed steps): 16, 32, ..., 512, then ``per_octave``
+    evenly spaced sizes per doubling (a step pads at most 1 / per_octave of its tokens), and
+    max_num_batched_tokens itself; a step runs in the smallest that holds it."""
+    sizes, size = set(), 16
+    while size < max_num_batched_tokens:
+        sizes.add(size)
+        size += size if size < 512 else (1 << (size.bit_length() - 1)) // per_octave
+    return sorted(sizes | {max_num_batched_tokens})

@@ -87,6 +87,7 @@ def profile_engine(
             watermark=sched.watermark,
             async_scheduling=engine.async_scheduling,
             cuda_graph_sizes=tuple(graph_sizes),
+            piecewise_graphs=runner.pieces is not None,
             tensor_parallel_size=config.tensor_parallel_size,
             dtype=str(runner.dtype).removeprefix("torch."),
             attention_backend=runner.backend.name,
@@ -153,6 +154,8 @@ def report(profile: Profile) -> str:
         if eng.cuda_graph_sizes
         else "no CUDA graphs"
     )
+    if eng.piecewise_graphs:
+        graphs += ", piecewise CUDA graphs for the other steps"
     lines = [
         f"{meta.get('model_name')} on {profile.device.get('name')}: {eng.num_kv_blocks} KV blocks "
         f"of {eng.block_size} tokens, {graphs}, async scheduling {eng.async_scheduling}",

@@ -43,10 +43,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         ctx: ForwardContext,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, heads, head_dim]; k, v [T, kv_heads, head_dim], the step's own K/V, already
         in the caches [num_blocks, kv_heads, block_size, head_dim] (a backend reads them from
-        either). Returns [T, heads, head_dim]."""
+        either). Returns [T, heads, head_dim]: ``out`` when given (any strides)."""
 
 
 # Backends with optional dependencies: registered when their module imports.
@@ -112,8 +113,8 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        out = torch.empty_like(q)
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
+        out = torch.empty_like(q) if out is None else out
         qsl, block_size = ctx.query_start_loc_cpu, k_cache.shape[2]
         for b in range(ctx.num_prefills):
             start, end = qsl[b], qsl[b + 1]
@@ -198,9 +199,15 @@ class Attention(nn.Module):
         return self.k_cache, self.v_cache, ctx.slot_mapping
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of q over the cache, which already holds k and v (``cache(ctx)`` says
-        where they go; ``RotaryEmbedding.split_qkv`` stores them there)."""
+        where they go; ``RotaryEmbedding.split_qkv`` stores them there); into ``out`` [T,
+        heads, head_dim] when given."""
         k_cache, v_cache, _ = self.cache(ctx)
-        return self.backend.forward(q, k, v, k_cache, v_cache, ctx, self.scale)
+        return self.backend.forward(q, k, v, k_cache, v_cache, ctx, self.scale, out)

@@ -14,9 +14,9 @@ class FlashAttention(AttentionBackend):
     supports_cuda_graphs = True
     block_size_multiple = 256
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
         k_view, v_view = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        out = q.new_empty(q.shape)
+        out = q.new_empty(q.shape) if out is None else out
         prefills, first = ctx.num_prefills, ctx.num_prefill_tokens
         if prefills:
             seq_lens = ctx.seq_lens[:prefills]

@@ -11,8 +11,8 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        out = q.new_empty(q.shape)
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
+        out = q.new_empty(q.shape) if out is None else out
         prefills, first = ctx.num_prefills, ctx.num_prefill_tokens
         if prefills:
             paged_prefill(

@@ -52,15 +52,21 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        """q, k, v [T, (kv_)heads, head_dim], q and k normed and rotated; K and V stored in the
+        cache with the rotation (one kernel less per layer when fused)."""
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        qkv = self.qkv_proj(x)
-        # K and V go to the cache with the rotation (one kernel less per layer when fused).
-        cache = self.attn.cache(ctx)
-        q, k, v = self.rotary.split_qkv(
-            positions, qkv, self.num_heads, self.num_kv_heads, *norms, kv_cache=cache
+        return self.rotary.split_qkv(
+            positions,
+            self.qkv_proj(x),
+            self.num_heads,
+            self.num_kv_heads,
+            *norms,
+            kv_cache=self.attn.cache(ctx),
         )
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
+        return self.o_proj(self.attn(*self.qkv(positions, x, ctx), ctx).flatten(1))
 
 
 class DecoderMLP(nn.Module):
@@ -90,12 +96,22 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(cfg, spec, tp)
 
     def forward(self, positions, x, residual, ctx):
+        q, k, v, residual = self.before_attention(positions, x, residual, ctx)
+        return self.after_attention(self.self_attn.attn(q, k, v, ctx), residual)
+
+    def before_attention(self, positions, x, residual, ctx):
+        """The input norm (the residual added first) and the attention's q, k, v (K and V to
+        the cache): (q, k, v, residual)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return *self.self_attn.qkv(positions, x, ctx), residual
+
+    def after_attention(self, o, residual):
+        """From the attention's output [T, heads, head_dim] (or [T, heads * head_dim]): the
+        output projection, the norm, the MLP: (x, residual) for the next layer."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o.flatten(1)), residual)
         return self.mlp(x), residual
 
 
@@ -112,11 +128,26 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        x, _ = self.norm(x, residual)
-        return x
+        state, out = input_ids, None
+        for i, layer in enumerate(self.layers):
+            q, k, v, state = self.piece(i, positions, state, out, ctx)
+            out = layer.self_attn.attn(q, k, v, ctx)
+        return self.piece(len(self.layers), positions, state, out, ctx)
+
+    def piece(self, i, positions, state, attn_out, ctx):
+        """Piece ``i`` of the forward cut at its attention calls (what a piecewise CUDA graph
+        holds): piece 0 embeds the ids (``state``) and computes layer 0's q, k, v; piece i
+        finishes layer i - 1 from its attention output and residual (``state``) and computes
+        layer i's q, k, v; the last piece finishes the last layer and returns the normed hidden
+        states. Returns (q, k, v, residual) or the hidden states. Of ``ctx`` a piece reads only
+        the slot mapping (where K and V go)."""
+        if i == 0:
+            x, residual = self.embed_tokens(state), None
+        else:
+            x, residual = self.layers[i - 1].after_attention(attn_out, state)
+        if i == len(self.layers):
+            return self.norm(x, residual)[0]
+        return self.layers[i].before_attention(positions, x, residual, ctx)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -160,6 +191,15 @@ class DecoderForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of the forward cut at its attention calls (``piece``): layers + 1."""
+        return len(self.model.layers) + 1
+
+    def piece(self, i, positions, state, attn_out, ctx):
+        """``DecoderModel.piece``: the forward between attention calls i - 1 and i."""
+        return self.model.piece(i, positions, state, attn_out, ctx)
 
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         return self.lm_head(hidden[ctx.logits_indices])

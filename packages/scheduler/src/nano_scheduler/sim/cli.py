@@ -282,7 +282,13 @@ def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
         )
     config = scheduler_config(args, args.max_model_len or eng.max_model_len, eng)
     frontend = args.frontend or "server"
-    cost = ProfiledCostModel(profile, frontend, args.sampling or "greedy", config.max_num_seqs)
+    cost = ProfiledCostModel(
+        profile,
+        frontend,
+        args.sampling or "greedy",
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+    )
     num_blocks = args.num_blocks or eng.num_kv_blocks
     sim = Simulator(
         requests,

@@ -54,6 +54,9 @@ class EngineSettings:
     watermark: float
     async_scheduling: bool
     cuda_graph_sizes: tuple[int, ...]  # empty: eager decode
+    # steps with attention outside a graph run as piecewise CUDA graphs (padded to
+    # piecewise_graph_sizes(max_num_batched_tokens)); False in profiles from before them
+    piecewise_graphs: bool = False
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
     attention_backend: str = ""
@@ -443,7 +446,8 @@ def _point(data: Any, where: str) -> GridPoint:
 
 def _engine(data: dict) -> EngineSettings:
     known = {f.name for f in fields(EngineSettings)}
-    missing = sorted(known - set(data) - {"tensor_parallel_size", "dtype", "attention_backend"})
+    optional = {"tensor_parallel_size", "dtype", "attention_backend", "piecewise_graphs"}
+    missing = sorted(known - set(data) - optional)
     if missing:
         raise ValueError(f"engine lacks {missing}")
     ints = (
@@ -456,6 +460,7 @@ def _engine(data: dict) -> EngineSettings:
     values: dict[str, Any] = {name: _count(data, name, "engine", low=1) for name in ints}
     for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
         values[name] = _bool(data, name, "engine")
+    values["piecewise_graphs"] = _bool(data, "piecewise_graphs", "engine", False)
     values["policy"] = _str(data, "policy", "engine")
     values["admission_lookahead"] = _count(data, "admission_lookahead", "engine")
     values["watermark"] = _number(data, "watermark", "engine", low=0.0)

@@ -31,7 +31,7 @@ import warnings
 from bisect import bisect_left
 from itertools import pairwise
 
-from nano_scheduler.config import cuda_graph_sizes
+from nano_scheduler.config import cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim.cost_model import BatchShape, StepCost
 from nano_scheduler.sim.fit import Piecewise, increasing, log_hats, nnls
 from nano_scheduler.sim.host import ServerCosts
@@ -62,6 +62,7 @@ class ProfiledCostModel:
         frontend: str = "server",
         sampling: str = "greedy",
         max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.profile = profile
         self.synchronous = bool(profile.device.get("synchronous", False))
@@ -80,12 +81,20 @@ class ProfiledCostModel:
         self.graph_sizes = cuda_graph_sizes(seqs) if engine.cuda_graph_sizes else []
         self._graph_limit = self.graph_sizes[-1] if self.graph_sizes else 0
         self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
-        self._eager = EagerModel(profile.eager)
+        self._eager = EagerModel(profile.eager, self._piecewise(engine.max_num_batched_tokens))
+        budget = max_num_batched_tokens or engine.max_num_batched_tokens
+        self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
         self._sample = Piecewise(profile.sampling[sampling])
         self._host = HostModel(profile.host[frontend], engine.block_size, cpu=frontend == "server")
         self.server_costs = (
             server_costs(profile.host["server"], profile.server) if frontend == "server" else None
         )
+
+    def _piecewise(self, max_num_batched_tokens: int) -> list[int]:
+        """The token counts of the piecewise CUDA graphs the engine would capture."""
+        if not self.profile.engine.piecewise_graphs:
+            return []
+        return piecewise_graph_sizes(max_num_batched_tokens)
 
     # ---- device --------------------------------------------------------------------------
 
@@ -177,13 +186,15 @@ class EagerModel:
     """Eager forwards: t = sum_k c_k f_k(batch) with every c_k >= 0, fitted on relative error.
 
     Features: a constant; the step's tokens and ramps max(0, tokens - knot) at the profiled
-    token counts (a convex piecewise-linear matmul cost); each chunk's attention pairs weighted
+    token counts (a convex piecewise-linear matmul cost; with piecewise CUDA graphs, ``sizes``,
+    the tokens padded to the graph that runs them); each chunk's attention pairs weighted
     by hat functions of log(chunk length) (short chunks use the tensor cores worse); keys read
     by chunks; chunks; decodes; decode context.
     """
 
-    def __init__(self, points: list[GridPoint]) -> None:
-        tokens = sorted({p.num_tokens for p in points})
+    def __init__(self, points: list[GridPoint], sizes: list[int] = ()) -> None:
+        self.sizes = list(sizes)
+        tokens = sorted({self.padded(p.num_tokens) for p in points})
         self.token_knots = _thin(tokens[:-1], 12)
         lengths = sorted({n for p in points for n, _ in p.prefills}) or [1]
         self.length_knots = _geometric(lengths[0], lengths[-1], 8.0)
@@ -197,8 +208,14 @@ class EagerModel:
         self.coef = nnls(rows, times, [1 / t**2 for t in times])
         self.floor = min(times) / 2
 
+    def padded(self, tokens: int) -> int:
+        """The tokens a step's matmuls compute: padded to its piecewise graph's size."""
+        if not self.sizes or tokens > self.sizes[-1]:
+            return tokens
+        return self.sizes[bisect_left(self.sizes, tokens)]
+
     def features(self, prefills, num_decodes: int, decode_context: int) -> list[float]:
-        t = sum(n for n, _ in prefills) + num_decodes
+        t = self.padded(sum(n for n, _ in prefills) + num_decodes)
         f = [1.0, t]
         f += [t - k if t > k else 0.0 for k in self.token_knots]
         pairs = [0.0] * len(self.length_knots)
