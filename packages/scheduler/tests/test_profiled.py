@@ -17,6 +17,7 @@ from profile_helpers import (
     MAX_SEQS,
     eager_seconds,
     graph_seconds,
+    host_sample,
     sample_seconds,
     synthetic_profile,
 )
@@ -101,6 +102,14 @@ def test_a_graph_decode_of_fused_rows_pays_no_separate_sampling():
     assert fused.step_cost(mixed).sample == pytest.approx(sample_seconds(9), rel=0.03)
     assert filtered.step_cost(decode).sample == pytest.approx(3 * sample_seconds(8), rel=0.03)
     assert fused.step_cost(decode).forward == filtered.step_cost(decode).forward
+
+
+def test_the_sampler_host_work_is_fitted_apart_after_graphs_and_eager_steps(model):
+    """After a decode graph that drew its tokens the sampler's host work is a fraction of what
+    it is after an eager step; one fit over both got the eager steps' 3x too low."""
+    decode, mixed = BatchShape([], [500] * 40, 40), BatchShape([(64, 0)], [500] * 40, 41)
+    assert model.step_cost(decode).sample_host == pytest.approx(host_sample(40, False), rel=0.05)
+    assert model.step_cost(mixed).sample_host == pytest.approx(host_sample(41, True), rel=0.05)
 
 
 def test_a_what_if_graph_size_between_profiled_ones(model):

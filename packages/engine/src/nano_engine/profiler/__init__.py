@@ -177,7 +177,9 @@ def report(profile: Profile) -> str:
             lines.append(f"eager model on its grid: {_errors(fit)}")
         steps = [r for r in records if r.num_tokens and r.forward]
         device = [model.forward_time(BatchShape.of_record(r)) / r.forward - 1 for r in steps]
-        host_measured = sum(r.host for r in records)
+        if model._host.cpu:  # (the server's fit is to the loop thread's CPU time)
+            records = [r for r in records if r.cpu is not None]
+        host_measured = sum(sum(r.cpu) if model._host.cpu else r.host for r in records)
         host_model = 0.0
         for r in records:
             if r.num_tokens:
@@ -187,7 +189,8 @@ def report(profile: Profile) -> str:
             host_model += (post if r.resolved else 0.0) + publish
         lines.append(
             f"{frontend}: the loop's forwards against the grid's model: {_errors(device)}; "
-            f"host time {host_measured:.3f} s measured, {host_model:.3f} s fitted"
+            f"host {'CPU ' if model._host.cpu else ''}time {host_measured:.3f} s measured, "
+            f"{host_model:.3f} s fitted"
         )
     return "\n".join(lines)
 

@@ -284,7 +284,10 @@ class HostModel:
             measured = [self._time(r, 1) for r in eager]
             self._spread = [m / f for m, f in zip(measured, fitted) if f > 0] or [1.0]
         self._rng = random.Random(0)
-        self.sample = self._fit(steps, lambda r: [1.0, r.sampled], 3)
+        # The sampler's host work: next to nothing after a graph that drew the tokens itself,
+        # its whole launch after an eager step: fitted apart, as the launch is.
+        self.sample_graph = self._fit(graphs, lambda r: [1.0, r.sampled], 3) if graphs else None
+        self.sample_eager = self._fit(eager, lambda r: [1.0, r.sampled], 3) if eager else None
         resolving = [r for r in records if r.resolved]
         self.post = self._fit(resolving or steps, self._post_features, 2)
         self.publish = self._fit(records, lambda r: [1.0, r.outputs], 4)
@@ -343,8 +346,9 @@ class HostModel:
         launch = self._dot(coef, row)
         if eager:
             launch *= self._rng.choice(self._spread)
-        sample = self.sample[0] + self.sample[1] * batch.num_sampled
-        return schedule, launch, sample
+        s = self.sample_eager if eager else self.sample_graph
+        s = s or self.sample_eager or self.sample_graph
+        return schedule, launch, s[0] + s[1] * batch.num_sampled
 
     def resolve(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         p = self.post
