@@ -730,7 +730,9 @@ def serve(
         timeout_graceful_shutdown=grace_period + 5,
         timeout_keep_alive=keep_alive_timeout,
         http=http_protocol(read_timeout, max_connections),
-        backlog=min(2048, max_connections),
+        # (room in the accept queue for a burst beyond the cap: refused with a 503 at once,
+        # not left to retry its SYN; the kernel truncates it to net.core.somaxconn)
+        backlog=max_connections + 2048,
         access_log=access_log,
     )
     if access_log:  # (uvicorn's logger, at the level of the rest of its logs otherwise)
