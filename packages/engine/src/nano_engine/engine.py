@@ -88,7 +88,7 @@ class LLMEngine:
             self.scheduler = Scheduler(
                 SchedulerConfig(
                     max_num_seqs=config.max_num_seqs,
-                    max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                    max_num_batched_tokens=self.runner.max_num_batched_tokens,
                     max_model_len=self.max_model_len,
                     enable_chunked_prefill=config.enable_chunked_prefill,
                     policy=config.scheduling_policy,

@@ -155,6 +155,8 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
+        # (the scheduler's budget: a decode step of every sequence always fits)
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
         attn = self.model.attention_layers[0]
         self.layout = KVCacheLayout(
@@ -179,9 +181,17 @@ class ModelRunner:
             self.num_blocks * self.layout.bytes_per_block / 1e9,
             self.backend.name,
         )
+        try:
+            self._capture_graphs()
+        except BaseException:  # (a graph that captured a collective holds NCCL's destroy)
+            self.release_graphs()
+            raise
+
+    def _capture_graphs(self) -> None:
+        config, device = self.config, self.device
         if device.type == "cuda" and not config.enforce_eager:
             if self.backend.supports_cuda_graphs:
-                draw = tp.rank == 0 and gumbel.available(device)  # (workers get rank 0's)
+                draw = self.tp.rank == 0 and gumbel.available(device)  # (workers get rank 0's)
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, self.staging, sample=draw)
             else:
                 log.info(
@@ -189,7 +199,7 @@ class ModelRunner:
                     self.backend.name,
                 )
         if self.piecewise:
-            self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens)
+            self.pieces = PiecewiseGraphs(self, self.max_num_batched_tokens)
 
     # ---- KV cache sizing ---------------------------------------------------------------------
 
@@ -223,8 +233,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        tokens = min(cfg.max_num_batched_tokens, num_seqs * self.max_model_len)
+        num_seqs = cfg.max_num_seqs
+        tokens = min(self.max_num_batched_tokens, num_seqs * self.max_model_len)
         lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
         lens = [n for n in lens if n]
         temp_blocks = sum(-(-n // self.block_size) for n in lens)
@@ -287,7 +297,7 @@ class ModelRunner:
         each fresh and after a cached token (a prefix hit, a later chunk), so that no kernel
         variant (prefill tiles, cached keys or none) and no allocation a prompt needs comes
         first in mid-serving. Writes the first blocks of the bound cache."""
-        longest = max(2, min(self.config.max_num_batched_tokens, self.max_model_len - 1))
+        longest = max(2, min(self.max_num_batched_tokens, self.max_model_len - 1))
         for length in {longest, min(longest, 1024), min(longest, 64)}:
             table = list(range(-(-length // self.block_size)))
             for n in (length, length - 1):

@@ -37,7 +37,8 @@ log = logging.getLogger("nano_engine")
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not keep that memory allocated."""
+    """A tensor over ``t``'s memory that does not keep that memory allocated (a private torch
+    API, no public one makes a non-owning storage; the graphs' pool keeps the memory)."""
     storage = t.untyped_storage()
     alias = torch._C._construct_storage_from_data_pointer(
         storage.data_ptr(), t.device, storage.nbytes()

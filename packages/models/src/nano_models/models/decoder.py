@@ -65,9 +65,6 @@ class DecoderAttention(nn.Module):
             kv_cache=self.attn.cache(ctx),
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
-        return self.o_proj(self.attn(*self.qkv(positions, x, ctx), ctx).flatten(1))
-
 
 class DecoderMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel) -> None:
@@ -86,6 +83,8 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer, in the two halves around its attention call (``DecoderModel.piece``)."""
+
     def __init__(
         self, cfg: ModelConfig, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallel
     ) -> None:
@@ -94,10 +93,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, spec, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DecoderMLP(cfg, spec, tp)
-
-    def forward(self, positions, x, residual, ctx):
-        q, k, v, residual = self.before_attention(positions, x, residual, ctx)
-        return self.after_attention(self.self_attn.attn(q, k, v, ctx), residual)
 
     def before_attention(self, positions, x, residual, ctx):
         """The input norm (the residual added first) and the attention's q, k, v (K and V to

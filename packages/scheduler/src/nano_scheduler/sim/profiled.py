@@ -128,8 +128,8 @@ class ProfiledCostModel:
 
     def step_cost(self, batch: BatchShape) -> StepCost:
         eager = self.is_eager(batch)
-        schedule, launch, sample = self._host.step(batch, eager)
         drawn = not eager and self.sampling in GRAPH_DRAWN
+        schedule, launch, sample = self._host.step(batch, eager, drawn)
         device_sample = 0.0 if drawn else self.sample_time(batch.num_sampled)
         return StepCost(schedule, launch, self.forward_time(batch), sample, device_sample)
 
@@ -325,7 +325,9 @@ class HostModel:
     def _post_features(r: StepRecord) -> list[float]:
         return [1.0, r.resolved, r.finished, r.outputs]
 
-    def step(self, batch: BatchShape, eager: bool) -> tuple[float, float, float]:
+    def step(self, batch: BatchShape, eager: bool, drawn: bool) -> tuple[float, float, float]:
+        """The step's host phases: scheduling, launch (of a graph or eager) and the sampler's
+        (next to nothing where the graph drew the tokens, its whole launch otherwise)."""
         n_dec = len(batch.decodes)
         prefill_tokens = sum(n for n, _ in batch.prefills)
         s = self.schedule
@@ -346,7 +348,7 @@ class HostModel:
         launch = self._dot(coef, row)
         if eager:
             launch *= self._rng.choice(self._spread)
-        s = self.sample_eager if eager else self.sample_graph
+        s = self.sample_graph if drawn else self.sample_eager
         s = s or self.sample_eager or self.sample_graph
         return schedule, launch, s[0] + s[1] * batch.num_sampled
 
