@@ -21,7 +21,9 @@ PACKAGES = [
     p.name for p in sorted((ROOT / "packages").iterdir()) if (p / "pyproject.toml").is_file()
 ]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
-TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx")
+TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx", "jsonschema")
+# nano-engine[structured], without triton (xgrammar needs it only for CUDA logits)
+STRUCTURED_REQUIREMENTS = ("xgrammar", "apache-tvm-ffi")
 # nano-engine[serve]
 SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client", "httpx")
 
@@ -43,6 +45,7 @@ def tests(session: nox.Session) -> None:
     """Run every CPU test against freshly installed packages."""
     session.install(*CONSTRAINTS, *TEST_REQUIREMENTS)
     install_packages(session, cuda=False)
+    session.install(*CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
     test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
     session.run("pytest", "-m", "not gpu", *test_dirs, *session.posargs)
 

@@ -20,6 +20,12 @@ for pkg in packages/*/; do
   $PY -m pip install -q --no-build-isolation --no-deps -e "$pkg" 2>&1 | tail -n 3
 done
 $PY -c 'from nano_kvcache import ops; assert ops.extension_available(), "extension not built"'
+# The server's and structured outputs' dependencies travel as wheels in .whl/ (that machine has
+# no network; scripts/fetch_server_wheels.sh gets them).
+if [[ -d .whl ]]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
 
 tests_rc=0
 if [[ ,$WHAT, == *,tests,* || $WHAT == all ]]; then
@@ -48,12 +54,7 @@ if [[ ,$WHAT, == *,bench,* || $WHAT == all ]]; then
 fi
 
 if [[ ,$WHAT, == *,serve,* ]]; then
-  # The serving benchmark: the server's pure-Python dependencies travel as wheels in .whl/
-  # (that machine has no network); the trace is $TRACE.
-  if [[ -d .whl ]]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-  fi
+  # The serving benchmark (its dependencies: .whl/, installed above); the trace is $TRACE.
   TRACE=${TRACE:-benchmarks/traces/azure_llm_2023_conv.csv}
   nano-engine -v serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
     --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \

@@ -300,7 +300,7 @@ REFUSED = {
     "echo": True,
     "use_beam_search": True,
     "prompt_logprobs": 1,
-    "guided_json": {"type": "object"},
+    "guided_whitespace_pattern": r"\s*",
     "priority": 3,
     "logit_bias": {"5": 9},
     "add_special_tokens": False,
@@ -312,7 +312,6 @@ REFUSED_CHAT = {
     "tool_choice": "required",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "chat_template_kwargs": {"enable_thinking": False},
-    "response_format": {"type": "json_object"},
     "continue_final_message": True,
     "best_of": 3,
 }

@@ -7,7 +7,7 @@ from nano_engine.engine import LLMEngine
 from nano_engine.llm import LLM
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.streams import EngineDeadError, RequestStream
-from nano_scheduler import SamplingParams
+from nano_scheduler import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -19,5 +19,6 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]

@@ -34,6 +34,7 @@ from nano_engine.sampler import SampledTokens, Sampler
 from nano_engine.stats import StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
+from nano_engine.structured import GrammarCompiler, TokenMasks
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
@@ -107,7 +108,11 @@ class LLMEngine:
             self.max_model_len,
             config.max_logprobs,
             self.block_manager,
+            GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)),
         )
+        self._token_masks = TokenMasks(self.runner.device, mc.vocab_size)
+        self._constrained = 0  # live requests with structured outputs
+        self._masks: tuple[SchedulerOutput, Future] | None = None  # a step's, being filled
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -243,6 +248,7 @@ class LLMEngine:
                     self._step(schedule=False)  # an aborted request's last output is whole
                 for kind, payload in commands:
                     if kind == "add":
+                        self._constrained += payload.matchers is not None
                         for index, seq in enumerate(payload.seqs):
                             self._seq_owner[seq.seq_id] = (payload, index)
                             self.scheduler.add(seq)
@@ -327,7 +333,7 @@ class LLMEngine:
             seqs = out.sampling_seqs
             sampled = drawn
             if sampled is None:
-                batch = self.sampler.prepare(seqs)
+                batch = self.sampler.prepare(seqs, self._grammar_masks(out))
                 clock.mark("sample")
                 log.mark(2)
                 sampled = self.sampler.sample(result.logits, batch)
@@ -367,6 +373,8 @@ class LLMEngine:
         logprobs, detokenization and stop strings."""
         tokens, logprobs = step.sampled.result()
         clock.mark("wait")
+        if self._constrained:  # (first: the next step's bitmask fills while this one records)
+            self._follow_grammars(step, tokens, next_out)
         finished = self.scheduler.resolve(step.pending, tokens, next_out)
         clock.resolved += len(step.pending.slots)
         clock.finished += len(finished)
@@ -376,6 +384,40 @@ class LLMEngine:
         for row, seq, position in step.pending.slots:
             request, index = self._touch(touched, seq)
             request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
+
+    def _follow_grammars(
+        self, step: _InFlight, tokens: list[int], next_out: SchedulerOutput | None
+    ) -> None:
+        """Advance the matchers of a resolved step's constrained sequences by their tokens, then
+        start filling the next step's bitmask (it runs while the loop records this step)."""
+        for row, seq, _ in step.pending.slots:
+            owner = self._seq_owner.get(seq.seq_id)
+            if owner is not None and owner[0].matchers is not None:
+                owner[0].follow_grammar(owner[1], seq, tokens[row], self.scheduler)
+        if next_out is not None:
+            self._masks = (next_out, self._start_masks(next_out.sampling_seqs))
+
+    def _start_masks(self, seqs: list[Sequence]) -> Future | None:
+        rows, matchers = [], []
+        for row, seq in enumerate(seqs):
+            owner = self._seq_owner.get(seq.seq_id)  # (gone: finished since, its row unused)
+            if owner is not None and owner[0].matchers is not None and not seq.is_finished:
+                matcher = owner[0].matchers[owner[1]]
+                if not matcher.is_terminated():
+                    rows.append(row)
+                    matchers.append(matcher)
+        return self._token_masks.start(matchers, rows) if rows else None
+
+    def _grammar_masks(self, out: SchedulerOutput):
+        """The bitmask of a step's rows with structured outputs (started while the step before
+        was resolved, or now), or None."""
+        if not self._constrained:
+            return None
+        masks, self._masks = self._masks, None
+        pending = masks[1] if masks is not None and masks[0] is out else None
+        if pending is None:
+            pending = self._start_masks(out.sampling_seqs)
+        return self._token_masks.result(pending) if pending is not None else None
 
     def _touch(self, touched, seq: Sequence) -> tuple[Request, int]:
         request, index = self._seq_owner[seq.seq_id]
@@ -404,8 +446,8 @@ class LLMEngine:
                 self.recorder.published(request.request_id, tokens, out.finished, first)
         with self._cond:
             for request, out in outputs:
-                if out.finished:
-                    self._requests.pop(request.request_id, None)
+                if out.finished and self._requests.pop(request.request_id, None) is not None:
+                    self._constrained -= request.matchers is not None
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -441,6 +483,8 @@ class LLMEngine:
             self._thread.join(timeout=2 if self.error is not None else 30)
         _unfreeze_gc(self)
         self.stop_recording()
+        if not self._thread.is_alive():
+            self._token_masks.close()
         self._release(self._thread)
 
     def _release(self, loop: threading.Thread | None = None) -> None:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nano_scheduler import SamplingParams
+from nano_scheduler import SamplingParams, StructuredOutputsParams
 
 
 class FieldError(ValueError):
@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "echo": (None, False),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
@@ -60,12 +59,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "priority": (None, 0),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
+    "guided_decoding_backend": (None, "auto", "xgrammar"),
     "guided_whitespace_pattern": (None,),
     "add_special_tokens": (None,),  # (each route's default only: see the routes)
     "continue_final_message": (None, False),
@@ -117,8 +111,9 @@ def _known_fields(model: type[BaseModel], data: Any, unsupported: dict[str, tupl
     if not isinstance(data, dict):
         return data
     kept = {}
+    names = {field.alias or name for name, field in model.model_fields.items()}
     for name, value in data.items():
-        if name in model.model_fields:
+        if name in names:
             kept[name] = value
         elif name in unsupported:
             if not _neutral(value, unsupported[name]):
@@ -150,6 +145,51 @@ class StreamOptions(_Body):
     unsupported = {"continuous_usage_stats": (None, False)}
 
 
+class JSONSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError(
+                "json_schema",
+                "response_format.json_schema is needed with type json_schema, and only then",
+            )
+        return self
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` extra (one kind of constraint)."""
+
+    json_: str | dict | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    unsupported = {
+        "structural_tag": (None,),
+        "disable_fallback": (None, False),
+        "disable_additional_properties": (None, False),
+        "whitespace_pattern": (None,),
+        "backend": (None, "auto", "xgrammar"),
+    }
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions, vLLM's extras included."""
 
@@ -179,12 +219,56 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # a constraint on the output: OpenAI's, vLLM's, or vLLM's deprecated aliases
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _best_of(self):
         if self.best_of is not None and self.best_of != self.n:
             raise FieldError("best_of", "best_of is not supported (other than best_of = n)")
         return self
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that carries the output's constraint (None: unconstrained)."""
+        given = [
+            name for name in ("structured_outputs", *_GUIDED) if getattr(self, name) is not None
+        ]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise FieldError(given[1], f"give one constraint on the output, got {given}")
+        return given[0] if given else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output's constraint (FieldError naming the field for an invalid one)."""
+        field = self.structured_field
+        try:
+            if field is None:
+                return None
+            if field == "response_format":
+                fmt = self.response_format
+                if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+                    return StructuredOutputsParams(json_object=True)
+                return StructuredOutputsParams(json=fmt.json_schema.schema_)
+            if field == "structured_outputs":
+                so = self.structured_outputs
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=so.json_object,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                )
+            return StructuredOutputsParams(**{_GUIDED[field]: getattr(self, field)})
+        except ValueError as e:
+            raise FieldError(field, str(e)) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """ValueError with the parameter's name for an invalid value."""
@@ -206,11 +290,20 @@ class _Sampling(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class CompletionRequest(_Sampling):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +15,12 @@ from nano_engine.config import EngineConfig
 from nano_engine.detokenizer import IncrementalDetokenizer
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.streams import RequestStream
+from nano_engine.structured import GrammarCompiler
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig
 from nano_scheduler import FinishReason, SamplingParams, Scheduler, Sequence
+
+log = logging.getLogger("nano_engine")
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Request:
     stop_reasons: list[str | int | None] = field(default_factory=list)
     logprobs: list[list[Logprob]] = field(default_factory=list)
     stream_deltas: bool = True  # False: one output, when the request finishes
+    matchers: list | None = None  # structured outputs: a grammar matcher per sequence
 
     def record(
         self,
@@ -73,6 +78,19 @@ class Request:
             else:
                 scheduler.finish(seq.seq_id, FinishReason.STOP)
             self.stop_reasons[index] = detok.stop_reason
+
+    def follow_grammar(self, index: int, seq: Sequence, token: int, scheduler: Scheduler) -> None:
+        """Advance sequence ``index``'s matcher by its sampled token; the grammar's end (a stop
+        token it accepted) finishes the sequence, ignore_eos or not."""
+        matcher = self.matchers[index]
+        if matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):  # (the mask lets only allowed tokens through)
+            log.error("request %s: token %d sampled against its grammar", self.request_id, token)
+            scheduler.finish(seq.seq_id, FinishReason.ABORT)
+            return
+        if matcher.is_terminated() and not seq.is_finished:
+            scheduler.finish(seq.seq_id, FinishReason.STOP)
 
     def output(self, indices, now: float) -> RequestOutput | None:
         """What is new in these sequences (None: nothing to send yet)."""
@@ -171,8 +189,10 @@ class RequestFactory:
         max_model_len: int,
         max_logprobs: int,
         block_manager: BlockManager,
+        grammars: GrammarCompiler,
     ) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.grammars = grammars
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.block_manager = block_manager
         self._seq_ids = itertools.count()
@@ -213,6 +233,9 @@ class RequestFactory:
                 f"logprobs ({params.logprobs}) is over the engine's limit of {most} "
                 "(max_logprobs, the vocabulary size)"
             )
+        grammar = None
+        if params.structured_outputs is not None:  # (compiled here: off the step loop)
+            grammar = self.grammars.compile(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         now = time.monotonic()
         seqs, detoks = [], []
@@ -247,6 +270,7 @@ class RequestFactory:
             [None] * params.n,
             [[] for _ in range(params.n)],
             stream_deltas=stream_deltas,
+            matchers=None if grammar is None else [self.grammars.matcher(grammar) for _ in seqs],
         )
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -43,6 +43,8 @@ class SamplingBatch:
     penalty_tokens: tuple[list[int], list[int], list[int], list[int]] | None = None
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
     logprobs: list[int | None] = field(default_factory=list)
+    # structured outputs: the bitmask of the constrained rows [R, V / 32] and those rows
+    grammar: tuple[torch.Tensor, list[int]] | None = None
     # The fused path (CUDA): 1 / temperature (0 for greedy) and Philox seeds per row; rows
     # with top-k / top-p / min-p are marked in ``filtered`` and take the torch path.
     inv_temperature: torch.Tensor | None = None
@@ -74,7 +76,8 @@ class Sampler:
 
     def fused_rows(self, seqs: list[Sequence]) -> FusedRows | None:
         """The rows' fused-pass inputs, or None when some row needs more than the fused pass
-        (top-k, top-p, min-p, logprobs, penalties, a min_tokens mask) or there is no fused pass.
+        (top-k, top-p, min-p, logprobs, penalties, a min_tokens mask, a grammar) or there is no
+        fused pass.
         Draws the same seeds as ``prepare`` would."""
         if not self.fused:
             return None
@@ -87,6 +90,7 @@ class Sampler:
                 or p.presence_penalty
                 or p.frequency_penalty
                 or (seq.num_output_tokens < p.min_tokens and seq.stop_token_ids)
+                or p.structured_outputs is not None
             ):
                 return None
             if p.temperature == 0:
@@ -119,7 +123,11 @@ class Sampler:
         """Forget a finished sequence's generator."""
         self._generators.pop(seq_id, None)
 
-    def prepare(self, seqs: list[Sequence]) -> SamplingBatch:
+    def prepare(
+        self, seqs: list[Sequence], grammar: tuple[torch.Tensor, list[int]] | None = None
+    ) -> SamplingBatch:
+        """The step's per-row parameters; ``grammar``: the bitmask of the rows with structured
+        outputs (``TokenMasks.fill``)."""
         params: list[SamplingParams] = [s.params for s in seqs]
         vocab = self.vocab_size
         greedy = [p.temperature == 0 for p in params]
@@ -165,6 +173,7 @@ class Sampler:
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             logprobs=[p.logprobs for p in params],
+            grammar=grammar,
         )
         if self.fused:
             batch.inv_temperature = next(packed).float()
@@ -173,7 +182,12 @@ class Sampler:
             batch.num_filtered = sum(filtered)
         dev = self.device
         for row, (seq, p) in enumerate(zip(seqs, params)):
-            if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
+            # (a grammar's end, where only a stop token may come, wins over min_tokens)
+            if (
+                seq.num_output_tokens < p.min_tokens
+                and seq.stop_token_ids
+                and p.structured_outputs is None
+            ):
                 batch.masks.append((row, sorted(seq.stop_token_ids)))
             if p.seed is not None and not greedy[row] and torch_rows[row]:
                 gen = self._generators.get(seq.seq_id)
@@ -220,11 +234,21 @@ class Sampler:
         """Draw a token per row of logits [S, V] on the device; ``result()`` brings them over."""
         want_logprobs = any(k is not None for k in batch.logprobs)
         fused_only = batch.seeds is not None and batch.num_filtered == 0
-        if not fused_only or want_logprobs or batch.masks or batch.penalties is not None:
+        if (
+            not fused_only
+            or want_logprobs
+            or batch.masks
+            or batch.penalties is not None
+            or batch.grammar is not None
+        ):
             logits = logits.float()  # the fused pass reads the model's dtype as it is
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for row, ids in batch.masks:
             logits[row, ids] = float("-inf")
+        if batch.grammar is not None:
+            from nano_engine.structured import apply_masks
+
+            apply_masks(logits, batch.grammar)
         if batch.penalties is not None:
             logits = self._penalize(logits, batch)
         if fused_only:

@@ -221,8 +221,11 @@ class Server:
                 headers={"Retry-After": "1"},
             )
 
-    def _submit(self, prompts: list, params, prefix: str, stream: bool) -> list[RequestStream]:
-        """Validate, tokenize and queue one engine request per prompt (all or none)."""
+    def _submit(
+        self, prompts: list, params, prefix: str, stream: bool, structured: str | None = None
+    ) -> list[RequestStream]:
+        """Validate, tokenize and queue one engine request per prompt (all or none);
+        ``structured``: the field that carries the output's constraint (compiled here)."""
         try:
             requests = [
                 self.engine.make_request(p, params, f"{prefix}-{i}", stream_deltas=stream)
@@ -234,7 +237,8 @@ class Server:
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from e
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from e
+            param = structured if str(e).startswith("structured outputs") else None
+            raise APIError(400, str(e), param=param) from e
         return [r.stream for r in requests]
 
     async def _outputs(
@@ -310,7 +314,14 @@ class Server:
         rid = _request_id(raw, body, "cmpl")
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         streams = await self._work(
-            chars, INLINE_CHARS, self._submit, prompts, params, rid, body.stream
+            _cost(chars, params),
+            INLINE_CHARS,
+            self._submit,
+            prompts,
+            params,
+            rid,
+            body.stream,
+            body.structured_field,
         )
         head = {
             "id": rid,
@@ -383,9 +394,9 @@ class Server:
 
         def submit() -> list[RequestStream]:
             ids = self._chat_ids(body.messages, body.add_generation_prompt)
-            return self._submit([ids], params, rid, body.stream)
+            return self._submit([ids], params, rid, body.stream, body.structured_field)
 
-        streams = await self._work(_chars(body.messages), INLINE_CHARS, submit)
+        streams = await self._work(_cost(_chars(body.messages), params), INLINE_CHARS, submit)
         head = {
             "id": rid,
             "object": "chat.completion",
@@ -502,7 +513,7 @@ class Server:
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
     def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         """The token ids of messages through the chat template (400 where it rejects them)."""
@@ -570,6 +581,12 @@ def _request_id(raw: Request, body, kind: str) -> str:
 def text_offsets(tokens: list[str]) -> list[int]:
     """Where each token's text starts in the completion (linear: a running sum)."""
     return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+
+
+def _cost(chars: int, params: SamplingParams) -> int:
+    """A request's work before it is queued: its text, and a grammar to compile (not on the
+    event loop, however small: a schema may take a while)."""
+    return chars if params.structured_outputs is None else max(chars, INLINE_CHARS + 1)
 
 
 def _chars(messages) -> int:

@@ -7,6 +7,7 @@ trained locally with the tokenizers library: nothing is downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -53,9 +54,10 @@ TINY = {
 }
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB, corpus: Iterable[str] | None = None):
     """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with Qwen-style specials and a chat
-    template; <|im_end|> is its eos."""
+    template; <|im_end|> is its eos. Trained on ``corpus`` (a small built-in text by default)
+    up to ``vocab_size`` tokens, where the corpus has that many merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -63,12 +65,12 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok.train_from_iterator(_CORPUS if corpus is None else corpus, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

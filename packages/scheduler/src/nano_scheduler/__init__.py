@@ -2,7 +2,7 @@
 
 from nano_scheduler._version import __version__
 from nano_scheduler.config import SchedulerConfig, cuda_graph_sizes, piecewise_graph_sizes
-from nano_scheduler.sampling_params import SamplingParams
+from nano_scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from nano_scheduler.scheduler import (
     PENDING_TOKEN,
     PendingStep,
@@ -25,6 +25,7 @@ __all__ = [
     "SchedulerStats",
     "Sequence",
     "SequenceStatus",
+    "StructuredOutputsParams",
     "__version__",
     "cuda_graph_sizes",
     "piecewise_graph_sizes",

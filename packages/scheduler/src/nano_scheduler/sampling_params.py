@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,77 @@ _NUMBERS = (
 )
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's names): exactly one of a JSON schema
+    (``json``: a dict or its JSON text), any JSON object (``json_object=True``), a regular
+    expression (``regex``, the whole output matches it), one of a few strings (``choice``) or
+    an EBNF grammar (``grammar``, GBNF style, its start rule ``root``). ``disable_any_whitespace``:
+    JSON without whitespace between its elements (else at most a short run of it).
+
+    Checked here for form only; whether the engine can compile the schema, the expression or
+    the grammar, it tells when the request is made (a ValueError naming the problem). ``json``
+    is kept as JSON text (sorted keys), so that params are hashable and equal schemas share a
+    compiled grammar."""
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        errors = list(self._errors())
+        if errors:
+            raise ValueError("invalid structured outputs: " + "; ".join(errors))
+
+    def _errors(self):
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            yield (
+                f"give exactly one of {', '.join(_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                yield f"json is not valid JSON text: {e}"
+                schema = None
+            else:
+                if not isinstance(schema, (dict, bool)):
+                    yield f"json must be a JSON schema (an object), got {type(schema).__name__}"
+        elif schema is not None and not isinstance(schema, (dict, bool)):
+            yield f"json must be a JSON schema (a dict or its text), got {type(schema).__name__}"
+        if isinstance(schema, (dict, bool)):
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                yield f"{name} must be a non-empty string, got {value!r}"
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                yield f"choice must be a non-empty list of strings, got {self.choice!r}"
+            elif any(not isinstance(c, str) or not c for c in self.choice):
+                yield f"choice must hold non-empty strings, got {self.choice!r}"
+            else:
+                object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                yield f"{name} must be a bool, got {value!r}"
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's output. Immutable once validated (``replace`` makes a
@@ -35,6 +107,7 @@ class SamplingParams:
     vLLM. top_k 0 or -1 and top_p 1 turn those filters off. max_tokens None means until the
     model's maximum length. logprobs: how many top log-probabilities to return per output token
     besides the sampled one's (None: none). ``stop`` and ``stop_token_ids`` are kept as tuples.
+    ``structured_outputs``: a constraint the output meets (a JSON schema, a regex, ...).
     """
 
     n: int = 1
@@ -54,6 +127,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         normal = object.__setattr__  # (frozen: only validation sets fields)
@@ -127,6 +201,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 yield f"{name} must be a bool, got {getattr(self, name)!r}"
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            yield f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,255 @@
+"""Structured outputs in the engine (tiny random checkpoints: a random model follows no
+instruction, so valid output is the constraint's doing). Greedy constrained outputs equal
+transformers' greedy decoding with xgrammar's mask applied step by step, in every scheduling
+mode; sampled, seeded and n > 1 outputs validate against an independent checker (jsonschema,
+``re``); the same requests unconstrained are invalid; bad constraints are ValueErrors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from engine_helpers import sample_prompts
+
+from nano_engine import LLM, SamplingParams, StructuredOutputsParams
+from nano_models.testing import load_reference
+
+jsonschema = pytest.importorskip("jsonschema")
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "admin": {"type": "boolean"},
+        "role": {"enum": ["reader", "writer", "owner"]},
+        "address": {
+            "type": "object",
+            "properties": {"zip": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+    },
+    "required": ["name", "age", "admin", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)"
+CHOICES = ["yes", "no", 'say "maybe"']
+EBNF = """
+root ::= item ("," item){0,2} "."
+item ::= [a-c]{1,3} "=" [0-9]{1,2}
+"""
+EBNF_AS_REGEX = r"[a-c]{1,3}=[0-9]{1,2}(,[a-c]{1,3}=[0-9]{1,2}){0,2}\."
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "grammar": StructuredOutputsParams(grammar=EBNF),
+}
+MODES = {
+    "default": {"kvcache_block_size": 4},
+    "chunked-prefill": {"kvcache_block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
+    "preemption": {"kvcache_block_size": 4, "num_kvcache_blocks": 52, "max_model_len": 200},
+    "sync-scheduling": {"kvcache_block_size": 4, "async_scheduling": False},
+}
+MAX_TOKENS = 160
+
+
+def valid(kind: str, text: str) -> bool:
+    """Whether ``text`` meets the constraint ``kind`` (checked without xgrammar)."""
+    try:
+        if kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+            return True
+        if kind == "json_object":
+            return isinstance(json.loads(text), dict)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(EBNF_AS_REGEX, text) is not None
+
+
+def hf_constrained_greedy(model, grammar, prompt, eos, max_tokens):
+    """Greedy decoding with transformers, the grammar's bitmask unpacked and applied to each
+    step's logits in float64 (a matcher of its own, no engine code)."""
+    matcher = xgr.GrammarMatcher(grammar)
+    vocab = model.config.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < max_tokens:
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            matcher.fill_next_token_bitmask(bitmask)
+            bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+            allowed = bits.flatten()[:vocab].bool()
+            token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+            assert matcher.accept_token(token)
+            out.append(token)
+            ids.append(token)
+            if token in eos or matcher.is_terminated():
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def path(checkpoints):
+    return checkpoints("qwen3")
+
+
+@pytest.fixture(scope="module")
+def expected(path):
+    """Per prompt: the constraint's kind (None: unconstrained) and transformers' tokens."""
+    with LLM(path, enforce_eager=True) as llm:  # (its compiler: the engine's tokenizer info)
+        eos = llm.engine.eos_token_ids
+        grammars = {
+            k: llm.engine.request_factory.grammars.compile(so) for k, so in CONSTRAINTS.items()
+        }
+    model = load_reference(path)
+    kinds = [*CONSTRAINTS, None, "json", None]
+    prompts = sample_prompts()
+    tokens = []
+    for kind, prompt in zip(kinds, prompts):
+        if kind is None:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+                )
+            tokens.append(out[0, len(prompt) :].tolist())
+        else:
+            tokens.append(hf_constrained_greedy(model, grammars[kind], prompt, eos, MAX_TOKENS))
+    return kinds, prompts, tokens
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_constrained_greedy_matches_transformers_with_the_mask(path, expected, mode):
+    """Constrained and unconstrained requests in one batch: each row gets its own mask (or
+    none), in every scheduling mode, preemption included."""
+    kinds, prompts, tokens = expected
+    params = [
+        SamplingParams(temperature=0, max_tokens=24)
+        if kind is None
+        else SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[kind]
+        )
+        for kind in kinds
+    ]
+    with LLM(path, **MODES[mode]) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if mode == "preemption":
+            assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine._constrained == 0
+    for kind, out, want in zip(kinds, outputs, tokens):
+        o = out.outputs[0]
+        assert o.token_ids == want, kind
+        if kind is not None and o.finish_reason == "stop":
+            assert valid(kind, o.text), (kind, o.text)
+    finished = [o.outputs[0].finish_reason for o, k in zip(outputs, kinds) if k]
+    assert finished.count("stop") >= 4, finished  # (the grammars end, mostly)
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+def test_sampled_seeded_and_n_outputs_meet_the_constraint(path, kind):
+    prompts = sample_prompts()[:4]
+    so = CONSTRAINTS[kind]
+    if kind == "json":  # (at temperature 1 a random model spends its tokens on whitespace)
+        so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    with LLM(path, kvcache_block_size=4, num_kvcache_blocks=60, max_model_len=200) as llm:
+        free = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, n=3)
+        loose = llm.generate(prompts, free, use_tqdm=False)
+        runs = [
+            llm.generate(prompts, free.replace(structured_outputs=so, seed=seed), use_tqdm=False)
+            for seed in (None, 7)
+        ]
+        alone = llm.generate(
+            prompts[:1], free.replace(structured_outputs=so, seed=7), use_tqdm=False
+        )
+    texts = [c for out in runs[0] + runs[1] for c in out.outputs]
+    assert len(texts) == 24
+    for c in texts:
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            assert valid(kind, c.text), (kind, c.text)
+    assert sum(c.finish_reason == "stop" for c in texts) >= 8  # (not vacuous)
+    # the same requests unconstrained: invalid, so the constraint is what makes them valid
+    assert not any(valid(kind, c.text) for out in loose for c in out.outputs)
+    # a seeded constrained request draws the same tokens alone as in a batch
+    assert [c.token_ids for c in alone[0].outputs] == [c.token_ids for c in runs[1][0].outputs]
+
+
+def test_the_grammar_end_finishes_with_stop(path):
+    """With ignore_eos too; a stop string still stops; max_tokens cuts with length."""
+    so = StructuredOutputsParams(choice=["abc", "abd"])
+    with LLM(path) as llm:
+        ends = llm.generate(
+            ["x", "y"],
+            [
+                SamplingParams(temperature=0, max_tokens=50, structured_outputs=so),
+                SamplingParams(
+                    temperature=0, max_tokens=50, structured_outputs=so, ignore_eos=True
+                ),
+            ],
+            use_tqdm=False,
+        )
+        cut = llm.generate(
+            ["x"], SamplingParams(max_tokens=1, structured_outputs=so), use_tqdm=False
+        )[0].outputs[0]
+        stopped = llm.generate(
+            ["x"],
+            SamplingParams(temperature=0, max_tokens=50, structured_outputs=so, stop=["b"]),
+            use_tqdm=False,
+        )[0].outputs[0]
+    for out in ends:
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in ("abc", "abd")
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 1
+    assert stopped.finish_reason == "stop" and stopped.text == "a" and stopped.stop_reason == "b"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"regex": "a", "choice": ["b"]}, "exactly one of .* got regex, choice"),
+        ({}, "exactly one of .* got none"),
+        ({"json": "{not json"}, "json is not valid JSON"),
+        ({"json": [1]}, "json must be a JSON schema"),
+        ({"choice": []}, "choice must be a non-empty list"),
+        ({"grammar": ""}, "grammar must be a non-empty string"),
+    ],
+)
+def test_malformed_constraints_are_refused(constraint, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**constraint)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"json": {"type": "frobnicate"}}, r"cannot compile the json: Unsupported type"),
+        ({"json": {"$ref": "#/$defs/missing"}}, r"cannot compile the json: .*missing"),
+        ({"regex": "(?<=a)b"}, r"cannot compile the regex: .*Lookbehind"),
+        ({"grammar": "root ::= undefined_rule"}, r"cannot compile the grammar: .*not defined"),
+    ],
+)
+def test_constraints_xgrammar_cannot_compile_are_value_errors(path, constraint, message):
+    with LLM(path) as llm:
+        so = StructuredOutputsParams(**constraint)
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+        assert llm.engine.num_requests == 0
+        ok = SamplingParams(max_tokens=8, structured_outputs=CONSTRAINTS["regex"])
+        assert llm.generate(["x"], ok, use_tqdm=False)[0].finished
+
+
+def test_equal_schemas_share_one_compiled_grammar(path):
+    with LLM(path) as llm:
+        grammars = llm.engine.request_factory.grammars
+        a = grammars.compile(StructuredOutputsParams(json={"type": "integer", "minimum": 1}))
+        b = grammars.compile(StructuredOutputsParams(json='{"minimum": 1, "type": "integer"}'))
+        assert a is b or a.serialize_json() == b.serialize_json()
