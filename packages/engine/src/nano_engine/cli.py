@@ -22,6 +22,7 @@ from pathlib import Path
 
 from nano_engine._version import __version__
 from nano_engine.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from nano_engine.reasoning import PARSERS as REASONING_PARSERS
 from nano_scheduler.config import POLICIES
 
 
@@ -188,6 +189,13 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "max_logprobs": EngineOption(
         ("--max-logprobs",), "the most logprobs a request may ask for", _non_negative
+    ),
+    "reasoning_parser": EngineOption(
+        ("--reasoning-parser",),
+        "split the model's thinking into reasoning_content (chat), and apply a structured "
+        "output's constraint after it",
+        str,
+        tuple(sorted(REASONING_PARSERS)),
     ),
 }
 
@@ -390,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads that tokenize and build large responses off the event loop",
     )
     srv.add_argument(
+        "--chat-template",
+        help="a Jinja chat template, or a file holding one, in place of the tokenizer's",
+        metavar="FILE_OR_TEMPLATE",
+    )
+    srv.add_argument(
         "--access-log",
         action="store_true",
         help="log a line per request (client, method, path, status) to stdout; off by "
@@ -580,6 +593,19 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """A chat template given on the command line: a file's contents, or the text itself (one
+    with Jinja's markers; a path that does not exist is an error)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
 def serve(args: argparse.Namespace) -> int:
     from nano_engine.config import EngineConfig
     from nano_engine.engine import LLMEngine
@@ -612,6 +638,7 @@ def serve(args: argparse.Namespace) -> int:
         cpu_workers=args.cpu_workers,
         access_log=args.access_log,
         sock=sock,
+        chat_template=load_chat_template(args.chat_template),
     )
 
 

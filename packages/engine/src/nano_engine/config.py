@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from nano_engine.reasoning import PARSERS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
@@ -23,6 +25,8 @@ class EngineConfig:
     (default 1); num_kvcache_blocks overrides both. async_scheduling: schedule and launch each
     step while the previous one runs (its sampled tokens feed the next step on the device;
     with tensor parallelism rank 0 broadcasts them to the workers); default on.
+    reasoning_parser (``qwen3``, ``deepseek_r1``): chat outputs split into reasoning and
+    content, and a structured output's constraint applies once the reasoning has ended.
     """
 
     model: str
@@ -47,6 +51,7 @@ class EngineConfig:
     device: str = "auto"
     async_scheduling: bool | None = None
     max_logprobs: int = 20
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -95,6 +100,11 @@ class EngineConfig:
             or self.max_logprobs < 0
         ):
             yield f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}"
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            yield (
+                f"reasoning_parser must be one of {sorted(PARSERS)} or None, got "
+                f"{self.reasoning_parser!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:

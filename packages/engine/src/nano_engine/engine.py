@@ -29,7 +29,13 @@ from nano_engine.config import EngineConfig
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import RequestOutput
 from nano_engine.parallel import Workers, abort_group, init_group
-from nano_engine.requests import Request, RequestFactory, eos_token_ids, load_tokenizer
+from nano_engine.requests import (
+    Request,
+    RequestFactory,
+    eos_token_ids,
+    load_tokenizer,
+    reasoning_tokens,
+)
 from nano_engine.sampler import SampledTokens, Sampler
 from nano_engine.stats import StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
@@ -109,6 +115,7 @@ class LLMEngine:
             config.max_logprobs,
             self.block_manager,
             GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)),
+            reasoning_tokens(self.tokenizer, config.reasoning_parser),
         )
         self._token_masks = TokenMasks(self.runner.device, mc.vocab_size)
         self._constrained = 0  # live requests with structured outputs
@@ -147,13 +154,23 @@ class LLMEngine:
         return request.stream
 
     def make_request(
-        self, prompt, params=None, request_id=None, notify=None, stream_deltas: bool = True
+        self,
+        prompt,
+        params=None,
+        request_id=None,
+        notify=None,
+        stream_deltas: bool = True,
+        reasoning: bool = False,
     ) -> Request:
         """A validated request, not queued yet (``ValueError`` for bad input). With
-        ``stream_deltas`` False its stream gets a single output, when it finishes."""
+        ``stream_deltas`` False its stream gets a single output, when it finishes; with
+        ``reasoning`` (a chat, with a reasoning parser) a structured output's grammar applies
+        from the end of the model's reasoning."""
         if self.error is not None:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        return self.request_factory.make(prompt, params, request_id, notify, stream_deltas)
+        return self.request_factory.make(
+            prompt, params, request_id, notify, stream_deltas, reasoning
+        )
 
     def submit(self, requests: list[Request]) -> None:
         with self._cond:
@@ -402,8 +419,11 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             owner = self._seq_owner.get(seq.seq_id)  # (gone: finished since, its row unused)
             if owner is not None and owner[0].matchers is not None and not seq.is_finished:
-                matcher = owner[0].matchers[owner[1]]
-                if not matcher.is_terminated():
+                request, index = owner
+                matcher = request.matchers[index]
+                after = request.grammar_after
+                waiting = after is not None and after[index] is not None  # (still reasoning)
+                if not waiting and not matcher.is_terminated():
                     rows.append(row)
                     matchers.append(matcher)
         return self._token_masks.start(matchers, rows) if rows else None

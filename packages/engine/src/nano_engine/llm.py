@@ -36,6 +36,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists); outputs in input order. Every
         request is validated before any runs: bad input raises and nothing is queued."""
+        return self._generate(prompts, sampling_params, use_tqdm, reasoning=False)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, reasoning: bool):
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -52,7 +55,9 @@ class LLM:
             )
         ready: queue.SimpleQueue[RequestStream] = queue.SimpleQueue()
         requests = [
-            self.engine.make_request(p, sp, notify=ready.put, stream_deltas=False)
+            self.engine.make_request(
+                p, sp, notify=ready.put, stream_deltas=False, reasoning=reasoning
+            )
             for p, sp in zip(prompts, params)
         ]
         order = {r.request_id: i for i, r in enumerate(requests)}
@@ -90,9 +95,12 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's
-        chat template."""
+        chat template (``chat_template_kwargs`` go to it, e.g. ``{"enable_thinking": False}``).
+        With a reasoning parser, a structured output's constraint applies once the reasoning
+        has ended."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = _conversations(messages)
@@ -100,12 +108,15 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **template_kwargs(chat_template_kwargs),
                 )
             except Exception as e:  # (jinja and transformers raise many kinds)
                 raise ValueError(f"the chat template failed on conversation {i}: {e}") from e
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, reasoning=True)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prompt blocks no request holds; returns how many."""
@@ -119,6 +130,22 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+# apply_chat_template's own arguments: not for chat_template_kwargs to set
+_TEMPLATE_ARGS = ("conversation", "tokenize", "add_generation_prompt", "return_dict", "tools")
+
+
+def template_kwargs(kwargs: dict | None) -> dict:
+    """Extra variables for a chat template (ValueError for one that is not a variable)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict of names, got {kwargs!r}")
+    reserved = sorted(set(kwargs) & set(_TEMPLATE_ARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
+    return kwargs
 
 
 def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

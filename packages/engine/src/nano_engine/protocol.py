@@ -65,7 +65,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "continue_final_message": (None, False),
     "documents": (None,),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "mm_processor_kwargs": (None,),
     "media_io_kwargs": (None,),
     "prompt_embeds": (None,),
@@ -352,6 +351,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

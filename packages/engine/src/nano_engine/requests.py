@@ -38,6 +38,9 @@ class Request:
     logprobs: list[list[Logprob]] = field(default_factory=list)
     stream_deltas: bool = True  # False: one output, when the request finishes
     matchers: list | None = None  # structured outputs: a grammar matcher per sequence
+    # per sequence, with a reasoning parser: the token that ends the reasoning, before which
+    # the grammar does not apply (None: it applies)
+    grammar_after: list[int | None] | None = None
 
     def record(
         self,
@@ -82,6 +85,10 @@ class Request:
     def follow_grammar(self, index: int, seq: Sequence, token: int, scheduler: Scheduler) -> None:
         """Advance sequence ``index``'s matcher by its sampled token; the grammar's end (a stop
         token it accepted) finishes the sequence, ignore_eos or not."""
+        if self.grammar_after is not None and self.grammar_after[index] is not None:
+            if token == self.grammar_after[index]:
+                self.grammar_after[index] = None  # the reasoning ended: the grammar applies
+            return
         matcher = self.matchers[index]
         if matcher.is_terminated():
             return
@@ -178,6 +185,34 @@ def eos_token_ids(config: EngineConfig, model_config: ModelConfig, tokenizer) ->
     return ids
 
 
+def _last(ids: list[int], token: int) -> int:
+    """The index of the last ``token`` in ``ids`` (-1: none)."""
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
+            return i
+    return -1
+
+
+def reasoning_tokens(tokenizer, parser_name: str | None) -> tuple[int, int] | None:
+    """The token ids of a reasoning parser's start and end tags (ValueError where the
+    tokenizer does not have each as one token)."""
+    if parser_name is None or tokenizer is None:
+        return None
+    from nano_engine.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(parser_name)
+    ids = []
+    for tag in (parser.start, parser.end):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(
+                f"reasoning parser {parser_name!r} needs {tag!r} to be one token of the "
+                f"tokenizer; it is {len(encoded)}"
+            )
+        ids.append(encoded[0])
+    return ids[0], ids[1]
+
+
 class RequestFactory:
     """Builds validated requests for one engine: its tokenizer, vocabulary, model length and
     cache size; sequence and request ids unique within it."""
@@ -190,19 +225,31 @@ class RequestFactory:
         max_logprobs: int,
         block_manager: BlockManager,
         grammars: GrammarCompiler,
+        reasoning: tuple[int, int] | None = None,
     ) -> None:
+        """``reasoning``: the token ids that start and end a model's reasoning (with a
+        reasoning parser)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.grammars = grammars
+        self.reasoning = reasoning
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
         self.block_manager = block_manager
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
     def make(
-        self, prompt, params=None, request_id=None, notify=None, stream_deltas: bool = True
+        self,
+        prompt,
+        params=None,
+        request_id=None,
+        notify=None,
+        stream_deltas: bool = True,
+        reasoning: bool = False,
     ) -> Request:
         """A validated request (``ValueError`` / ``TypeError`` for bad input). With
-        ``stream_deltas`` False its stream gets a single output, when it finishes."""
+        ``stream_deltas`` False its stream gets a single output, when it finishes. With
+        ``reasoning`` (a chat, with a reasoning parser), a structured output's grammar applies
+        from the end of the model's reasoning."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -257,6 +304,11 @@ class RequestFactory:
                 if self.tokenizer is not None
                 else None
             )
+        after = None
+        if grammar is not None and reasoning and self.reasoning is not None:
+            start, end = self.reasoning
+            ended = _last(ids, end) > _last(ids, start)  # (a template that closed it)
+            after = [None if ended else end for _ in seqs]
         return Request(
             request_id,
             text,
@@ -271,6 +323,7 @@ class RequestFactory:
             [[] for _ in range(params.n)],
             stream_deltas=stream_deltas,
             matchers=None if grammar is None else [self.grammars.matcher(grammar) for _ in seqs],
+            grammar_after=after,
         )
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nano_engine._version import __version__
 from nano_engine.connections import Gate, error_body, error_response, http_protocol
 from nano_engine.engine import LLMEngine
-from nano_engine.llm import merge_outputs
+from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
 from nano_engine.outputs import CompletionOutput, RequestOutput
 from nano_engine.protocol import (
@@ -47,6 +47,7 @@ from nano_engine.protocol import (
     FieldError,
     TokenizeRequest,
 )
+from nano_engine.reasoning import get_reasoning_parser
 from nano_engine.streams import EngineDeadError, RequestStream
 from nano_scheduler import SamplingParams
 
@@ -85,8 +86,12 @@ class Server:
         max_queue: int = 1024,
         max_request_entries: int = 1 << 20,
         cpu_workers: int = 2,
+        chat_template: str | None = None,
     ) -> None:
         self.engine, self.model_name = engine, model_name
+        self.chat_template = chat_template  # (None: the tokenizer's)
+        parser = engine.config.reasoning_parser
+        self.reasoning = get_reasoning_parser(parser) if parser is not None else None
         self.max_queue, self.max_request_entries = max_queue, max_request_entries
         self.metrics = ServerMetrics(engine, model_name)
         self.created = int(time.time())
@@ -222,13 +227,22 @@ class Server:
             )
 
     def _submit(
-        self, prompts: list, params, prefix: str, stream: bool, structured: str | None = None
+        self,
+        prompts: list,
+        params,
+        prefix: str,
+        stream: bool,
+        structured: str | None = None,
+        reasoning: bool = False,
     ) -> list[RequestStream]:
         """Validate, tokenize and queue one engine request per prompt (all or none);
-        ``structured``: the field that carries the output's constraint (compiled here)."""
+        ``structured``: the field that carries the output's constraint (compiled here);
+        ``reasoning``: a chat, whose constraint applies after the model's reasoning."""
         try:
             requests = [
-                self.engine.make_request(p, params, f"{prefix}-{i}", stream_deltas=stream)
+                self.engine.make_request(
+                    p, params, f"{prefix}-{i}", stream_deltas=stream, reasoning=reasoning
+                )
                 for i, p in enumerate(prompts)
             ]
             with self._admit:
@@ -392,9 +406,18 @@ class Server:
         self._tokenizer("chat completions")
         rid = _request_id(raw, body, "chatcmpl")
 
+        opened = False  # (the prompt leaves the model thinking)
+
         def submit() -> list[RequestStream]:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt)
-            return self._submit([ids], params, rid, body.stream, body.structured_field)
+            nonlocal opened
+            text = self._chat_prompt(
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            )
+            opened = self.reasoning is not None and self.reasoning.opened_in(text)
+            ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
+            return self._submit(
+                [ids], params, rid, body.stream, body.structured_field, reasoning=True
+            )
 
         streams = await self._work(_cost(_chars(body.messages), params), INLINE_CHARS, submit)
         head = {
@@ -406,7 +429,7 @@ class Server:
         if body.stream:
             return self._sse(
                 self._chat_chunks(
-                    streams, raw, {**head, "object": "chat.completion.chunk"}, body, params
+                    streams, raw, {**head, "object": "chat.completion.chunk"}, body, params, opened
                 )
             )
         outputs = await self._collect(streams, raw, params.n)
@@ -415,7 +438,7 @@ class Server:
             choices = (
                 {
                     "index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
+                    "message": self._message(o.text, opened),
                     "logprobs": self._chat_logprobs(o, body),
                     "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason,
@@ -426,13 +449,19 @@ class Server:
 
         return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
-    async def _chat_chunks(self, streams, raw, head, body, params):
-        total, started = None, set()
+    async def _chat_chunks(self, streams, raw, head, body, params, opened: bool):
+        total, started, splits = None, set(), {}
 
         def render(delta: RequestOutput) -> str:
             choices = []
             for o in delta.outputs:
                 message = {"content": o.text}
+                if self.reasoning is not None:
+                    split = splits.setdefault(o.index, self.reasoning.stream(opened))
+                    thought, answer = split.feed(o.text, final=o.finish_reason is not None)
+                    message = {"reasoning_content": thought} if thought else {}
+                    if answer or not thought:
+                        message["content"] = answer
                 if o.index not in started:
                     started.add(o.index)
                     message["role"] = "assistant"
@@ -515,18 +544,34 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
-    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
-        """The token ids of messages through the chat template (400 where it rejects them)."""
-        tokenizer = self.engine.tokenizer
+    def _message(self, text: str, opened: bool) -> dict:
+        """A chat choice's message: with a reasoning parser, the thinking apart."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = self.reasoning.split(text, opened)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+    def _chat_prompt(self, messages, add_generation_prompt: bool, kwargs=None) -> str:
+        """The messages through the chat template (400 where it rejects them)."""
         try:
-            text = tokenizer.apply_chat_template(
+            extra = template_kwargs(kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from e
+        try:
+            return self.engine.tokenizer.apply_chat_template(
                 [m.template_dict() for m in messages],
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template,
+                **extra,
             )
         except Exception as e:  # a template that rejects these messages: the client's input
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
-        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, kwargs=None) -> list[int]:
+        """The token ids of messages through the chat template (400 where it rejects them)."""
+        text = self._chat_prompt(messages, add_generation_prompt, kwargs)
+        return self.engine.tokenizer(text, add_special_tokens=False).input_ids
 
     def _decode_token(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
@@ -635,9 +680,10 @@ def build_app(
     max_request_entries: int = 1 << 20,
     read_timeout: float = 30.0,
     cpu_workers: int = 2,
+    chat_template: str | None = None,
 ) -> tuple[Gate, Server]:
     """The ASGI app (the routes behind the body limits and the key check), and its routes."""
-    server = Server(engine, model_name, max_queue, max_request_entries, cpu_workers)
+    server = Server(engine, model_name, max_queue, max_request_entries, cpu_workers, chat_template)
     return Gate(server.app, max_body_bytes, api_key, read_timeout), server
 
 
@@ -686,6 +732,7 @@ def serve(
     cpu_workers: int = 2,
     access_log: bool = False,
     sock: socket.socket | None = None,
+    chat_template: str | None = None,
 ) -> int:
     """Run until SIGINT / SIGTERM: stop accepting, close idle and stalled connections, let
     in-flight requests finish within the grace period (then they get 503), shut down.
@@ -711,6 +758,7 @@ def serve(
         max_request_entries,
         read_timeout,
         cpu_workers,
+        chat_template,
     )
 
     class GracefulServer(uvicorn.Server):
