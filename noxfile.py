@@ -25,7 +25,15 @@ TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx", "js
 # nano-engine[structured], without triton (xgrammar needs it only for CUDA logits)
 STRUCTURED_REQUIREMENTS = ("xgrammar", "apache-tvm-ffi")
 # nano-engine[serve]
-SERVE_REQUIREMENTS = ("fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client", "httpx")
+SERVE_REQUIREMENTS = (
+    "fastapi",
+    "uvicorn",
+    "httptools",
+    "uvloop",
+    "prometheus-client",
+    "httpx",
+    "partial-json-parser",
+)
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"

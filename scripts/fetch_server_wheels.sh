@@ -16,7 +16,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 \
   opentelemetry-api==1.45.2 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0 prometheus_client==0.26.0 \
   typing_extensions==4.16.0 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
-  httpx==0.28.1 httpcore==1.0.9 certifi \
+  httpx==0.28.1 httpcore==1.0.9 certifi partial-json-parser==0.2.1.1.post7 \
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
   attrs

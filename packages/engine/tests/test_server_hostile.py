@@ -309,9 +309,8 @@ REFUSED = {
 }
 REFUSED_CHAT = {
     "functions": [{"name": "f"}],
-    "tool_choice": "required",
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "chat_template_kwargs": {"enable_thinking": False},
+    "tool_choice": "required",  # (without tools)
+    "chat_template_kwargs": {"tokenize": True},  # (not a template variable)
     "continue_final_message": True,
     "best_of": 3,
 }

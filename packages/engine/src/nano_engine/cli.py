@@ -23,6 +23,7 @@ from pathlib import Path
 from nano_engine._version import __version__
 from nano_engine.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
 from nano_engine.reasoning import PARSERS as REASONING_PARSERS
+from nano_engine.tool_calls import FORMATS as TOOL_FORMATS
 from nano_scheduler.config import POLICIES
 
 
@@ -398,6 +399,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads that tokenize and build large responses off the event loop",
     )
     srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='read tool calls from replies when tool_choice is "auto" (or unset, with tools); '
+        "needs --tool-call-parser",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_FORMATS),
+        help="the format the model writes tool calls in (Qwen: hermes; Llama 3.x: llama3_json)",
+    )
+    srv.add_argument(
         "--chat-template",
         help="a Jinja chat template, or a file holding one, in place of the tokenizer's",
         metavar="FILE_OR_TEMPLATE",
@@ -593,6 +605,13 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The tool call parser for tool_choice "auto", as vLLM asks for it: both flags."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
+
+
 def load_chat_template(value: str | None) -> str | None:
     """A chat template given on the command line: a file's contents, or the text itself (one
     with Jinja's markers; a path that does not exist is an error)."""
@@ -614,6 +633,8 @@ def serve(args: argparse.Namespace) -> int:
 
     # The server says when it is ready (INFO) without -v; the engine's details stay behind -v.
     logging.getLogger("nano_engine.server").setLevel(logging.INFO)
+    tool_parser = auto_tool_parser(args)  # (before the model loads, as every check)
+    chat_template = load_chat_template(args.chat_template)
     try:
         sock = bind(args.host, args.port)  # before the model loads: a taken port fails at once
     except OSError as e:
@@ -638,7 +659,8 @@ def serve(args: argparse.Namespace) -> int:
         cpu_workers=args.cpu_workers,
         access_log=args.access_log,
         sock=sock,
-        chat_template=load_chat_template(args.chat_template),
+        chat_template=chat_template,
+        tool_parser=tool_parser,
     )
 
 

@@ -8,10 +8,13 @@ OpenAI does. Every string must be valid Unicode (no lone surrogates).
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nano_engine.tool_calls import required_schema
 from nano_scheduler import SamplingParams, StructuredOutputsParams
 
 
@@ -30,9 +33,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "echo": (None, False),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,),
@@ -73,8 +73,7 @@ UNSUPPORTED: dict[str, tuple] = {
 # Message fields the chat template is not given: accepted when null (a message sent back as the
 # openai client serializes it), refused otherwise.
 UNSUPPORTED_MESSAGE: dict[str, tuple] = {
-    name: (None,)
-    for name in ("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations")
+    name: (None,) for name in ("function_call", "refusal", "audio", "annotations")
 }
 
 
@@ -326,6 +325,19 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(_Body):
+    """A call an assistant message made (sent back in the history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(_Body):
     unsupported = UNSUPPORTED_MESSAGE
 
@@ -333,13 +345,42 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: str | None = None
 
     def template_dict(self) -> dict:
-        """The message for the chat template: text parts joined by newlines (as vLLM does)."""
+        """The message for the chat template: text parts joined by newlines (as vLLM does),
+        a tool call's arguments as an object where they are JSON (templates write them)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls", ()):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(call["function"]["arguments"])
+                if isinstance(arguments, dict):
+                    call["function"]["arguments"] = arguments
         return message
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -352,6 +393,59 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise FieldError("tools", f"tools holds a function name twice: {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"tools ({names})",
+            )
+        return self
+
+    @property
+    def forced_tools(self) -> str | None:
+        """ "required" or the named function when tool_choice makes the reply a call."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "required" if choice == "required" else None
+
+    @property
+    def structured_field(self) -> str | None:
+        field = super().structured_field
+        if self.forced_tools is None:
+            return field
+        if field is not None:
+            raise FieldError(
+                field, f"{field} cannot be combined with tool_choice {self.forced_tools!r}"
+            )
+        return "tools"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        if self.structured_field != "tools":
+            return super().structured_outputs_params()
+        forced = self.forced_tools
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if forced == "required":
+            schema = required_schema(tools, self.parallel_tool_calls is not False)
+        else:
+            tool = next(t for t in tools if t["function"]["name"] == forced)
+            schema = tool["function"].get("parameters") or {"type": "object"}
+        try:  # (compact: the arguments are written out again anyway)
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        except ValueError as e:
+            raise FieldError("tools", str(e)) from None
 
     @property
     def max_new_tokens(self) -> int | None:

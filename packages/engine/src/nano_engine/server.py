@@ -35,6 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nano_engine._version import __version__
+from nano_engine.chat_reply import ChatReply
 from nano_engine.connections import Gate, error_body, error_response, http_protocol
 from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs, template_kwargs
@@ -49,6 +50,7 @@ from nano_engine.protocol import (
 )
 from nano_engine.reasoning import get_reasoning_parser
 from nano_engine.streams import EngineDeadError, RequestStream
+from nano_engine.tool_calls import Named, Required, ToolFormat, get_tool_parser
 from nano_scheduler import SamplingParams
 
 log = logging.getLogger("nano_engine.server")
@@ -87,9 +89,15 @@ class Server:
         max_request_entries: int = 1 << 20,
         cpu_workers: int = 2,
         chat_template: str | None = None,
+        tool_parser: str | None = None,
     ) -> None:
+        """``tool_parser``: the format of tool calls in replies, read when tool_choice is
+        "auto" (vLLM's --tool-call-parser with --enable-auto-tool-choice)."""
         self.engine, self.model_name = engine, model_name
         self.chat_template = chat_template  # (None: the tokenizer's)
+        if tool_parser is not None:
+            get_tool_parser(tool_parser)  # (ValueError for an unknown one)
+        self.tool_parser = tool_parser
         parser = engine.config.reasoning_parser
         self.reasoning = get_reasoning_parser(parser) if parser is not None else None
         self.max_queue, self.max_request_entries = max_queue, max_request_entries
@@ -406,12 +414,13 @@ class Server:
         self._tokenizer("chat completions")
         rid = _request_id(raw, body, "chatcmpl")
 
+        tools = self._tool_format(body)
         opened = False  # (the prompt leaves the model thinking)
 
         def submit() -> list[RequestStream]:
             nonlocal opened
             text = self._chat_prompt(
-                body.messages, body.add_generation_prompt, body.chat_template_kwargs
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
             )
             opened = self.reasoning is not None and self.reasoning.opened_in(text)
             ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
@@ -426,51 +435,44 @@ class Server:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        reply = ChatReply(self.reasoning, opened, tools)
         if body.stream:
             return self._sse(
                 self._chat_chunks(
-                    streams, raw, {**head, "object": "chat.completion.chunk"}, body, params, opened
+                    streams, raw, {**head, "object": "chat.completion.chunk"}, body, params, reply
                 )
             )
         outputs = await self._collect(streams, raw, params.n)
 
+        def choice(o: CompletionOutput) -> dict:
+            message, called = reply.message(o.text)
+            return {
+                "index": o.index,
+                "message": message,
+                "logprobs": self._chat_logprobs(o, body),
+                "finish_reason": reply.finish_reason(o.finish_reason, called),
+                "stop_reason": o.stop_reason,
+            }
+
         def render() -> Response:
-            choices = (
-                {
-                    "index": o.index,
-                    "message": self._message(o.text, opened),
-                    "logprobs": self._chat_logprobs(o, body),
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }
-                for o in outputs[0].outputs
-            )
-            return _json(head, choices, _usage(outputs))
+            return _json(head, (choice(o) for o in outputs[0].outputs), _usage(outputs))
 
         return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
-    async def _chat_chunks(self, streams, raw, head, body, params, opened: bool):
-        total, started, splits = None, set(), {}
+    async def _chat_chunks(self, streams, raw, head, body, params, reply: ChatReply):
+        total, splits = None, {}
 
         def render(delta: RequestOutput) -> str:
             choices = []
             for o in delta.outputs:
-                message = {"content": o.text}
-                if self.reasoning is not None:
-                    split = splits.setdefault(o.index, self.reasoning.stream(opened))
-                    thought, answer = split.feed(o.text, final=o.finish_reason is not None)
-                    message = {"reasoning_content": thought} if thought else {}
-                    if answer or not thought:
-                        message["content"] = answer
-                if o.index not in started:
-                    started.add(o.index)
-                    message["role"] = "assistant"
+                split = splits.setdefault(o.index, reply.stream())
+                message, called = split.feed(o.text, final=o.finish_reason is not None)
                 choices.append(
                     {
                         "index": o.index,
                         "delta": message,
                         "logprobs": self._chat_logprobs(o, body),
-                        "finish_reason": o.finish_reason,
+                        "finish_reason": reply.finish_reason(o.finish_reason, called),
                     }
                 )
             return _event({**head, "choices": choices})
@@ -544,19 +546,34 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
-    def _message(self, text: str, opened: bool) -> dict:
-        """A chat choice's message: with a reasoning parser, the thinking apart."""
-        if self.reasoning is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = self.reasoning.split(text, opened)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    def _tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
+        """Where the reply's tool calls will be (None: it is content)."""
+        forced = body.forced_tools
+        if forced == "required":
+            return Required()
+        if forced is not None:
+            return Named(forced)
+        if not body.tools or body.tool_choice == "none":
+            return None
+        if self.tool_parser is None:
+            if body.tool_choice == "auto":
+                raise APIError(
+                    400,
+                    'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                    "and --tool-call-parser",
+                    param="tool_choice",
+                )
+            return None  # (the tools reach the template; the reply is content)
+        return get_tool_parser(self.tool_parser)
 
-    def _chat_prompt(self, messages, add_generation_prompt: bool, kwargs=None) -> str:
-        """The messages through the chat template (400 where it rejects them)."""
+    def _chat_prompt(self, messages, add_generation_prompt: bool, kwargs=None, tools=None) -> str:
+        """The messages (and tools) through the chat template (400 where it rejects them)."""
         try:
             extra = template_kwargs(kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from e
+        if tools:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         try:
             return self.engine.tokenizer.apply_chat_template(
                 [m.template_dict() for m in messages],
@@ -681,9 +698,12 @@ def build_app(
     read_timeout: float = 30.0,
     cpu_workers: int = 2,
     chat_template: str | None = None,
+    tool_parser: str | None = None,
 ) -> tuple[Gate, Server]:
     """The ASGI app (the routes behind the body limits and the key check), and its routes."""
-    server = Server(engine, model_name, max_queue, max_request_entries, cpu_workers, chat_template)
+    server = Server(
+        engine, model_name, max_queue, max_request_entries, cpu_workers, chat_template, tool_parser
+    )
     return Gate(server.app, max_body_bytes, api_key, read_timeout), server
 
 
@@ -733,6 +753,7 @@ def serve(
     access_log: bool = False,
     sock: socket.socket | None = None,
     chat_template: str | None = None,
+    tool_parser: str | None = None,
 ) -> int:
     """Run until SIGINT / SIGTERM: stop accepting, close idle and stalled connections, let
     in-flight requests finish within the grace period (then they get 503), shut down.
@@ -759,6 +780,7 @@ def serve(
         read_timeout,
         cpu_workers,
         chat_template,
+        tool_parser,
     )
 
     class GracefulServer(uvicorn.Server):
