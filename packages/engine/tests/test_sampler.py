@@ -185,3 +185,55 @@ def test_fused_rows_only_for_batches_the_fused_pass_draws_alone(monkeypatch):
     assert sampler.fused_rows([masked]) is not None
     monkeypatch.setattr(gumbel, "available", lambda device: False)
     assert Sampler(torch.device("cpu"), VOCAB).fused_rows(plain) is None
+
+
+def test_logit_bias_and_allowed_token_ids():
+    """Greedy rows take the argmax of the biased logits (computed here in float64); sampled
+    and seeded rows with allowed_token_ids draw only those; logprobs stay the raw ones."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    bias = {3: 4.5, 17: -100, 40: 2.25}
+    params = [
+        SamplingParams(temperature=0, logit_bias=bias, logprobs=0),
+        SamplingParams(temperature=0, allowed_token_ids=[9, 21, 33]),
+        SamplingParams(temperature=1.0, allowed_token_ids=[2, 44]),
+        SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[5], logit_bias={6: 100}),
+    ]
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    biased = logits[0].clone()
+    for t, b in bias.items():
+        biased[t] += b
+    for _ in range(20):
+        tokens, logprobs = sampler(logits.float(), sampler.prepare(seqs_for(params)))
+        assert tokens[0] == int(biased.argmax())
+        raw = torch.log_softmax(logits[0], -1)[tokens[0]].item()
+        assert logprobs[0].logprob == pytest.approx(raw, abs=1e-5)
+        assert tokens[1] == max((9, 21, 33), key=lambda t: logits[1, t].item())
+        assert tokens[2] in (2, 44) and tokens[3] == 5
+
+
+def test_banned_rows_never_take_their_tokens():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 12] = 50.0
+    logits[:, 13] = 40.0
+    sampler = Sampler(torch.device("cpu"), VOCAB)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+    batch = sampler.prepare(seqs_for(params), banned=[(0, [12]), (1, [12, 13])])
+    tokens, _ = sampler(logits, batch)
+    assert tokens[0] == 13 and tokens[1] not in (12, 13)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"logit_bias": {1: 101}},
+        {"logit_bias": {-1: 1}},
+        {"logit_bias": {1: float("nan")}},
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-3]},
+        {"bad_words": [" "]},
+        {"bad_words": "word"},
+    ],
+)
+def test_bad_values_are_refused(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        SamplingParams(**params)

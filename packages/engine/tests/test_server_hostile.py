@@ -302,9 +302,7 @@ REFUSED = {
     "prompt_logprobs": 1,
     "guided_whitespace_pattern": r"\s*",
     "priority": 3,
-    "logit_bias": {"5": 9},
     "add_special_tokens": False,
-    "bad_words": ["x"],
     "no_such_field": 1,
 }
 REFUSED_CHAT = {

@@ -180,3 +180,35 @@ def test_bad_constraints_get_a_400_naming_the_field(server, body, status, param,
         timeout=60,
     )
     assert ok.json()["choices"][0]["text"] == "ok"
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(server, client):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": " fox"}).json()["tokens"]
+    fox = tokens[-1]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": [fox] * 3}).json()["prompt"]
+    biased = client.completions.create(
+        model=server.model, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(fox): 100}
+    )
+    assert biased.choices[0].text == text
+    only = client.completions.create(
+        model=server.model,
+        prompt="Hello",
+        max_tokens=3,
+        temperature=1.0,
+        extra_body={"allowed_token_ids": [fox]},
+    )
+    assert only.choices[0].text == text
+    banned = client.completions.create(
+        model=server.model,
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(fox): 100},
+        extra_body={"bad_words": ["fox"]},
+    )
+    assert "fox" not in banned.choices[0].text
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": server.model, "prompt": "x", "logit_bias": {"fox": 1}},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"

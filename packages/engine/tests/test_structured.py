@@ -253,3 +253,30 @@ def test_equal_schemas_share_one_compiled_grammar(path):
         a = grammars.compile(StructuredOutputsParams(json={"type": "integer", "minimum": 1}))
         b = grammars.compile(StructuredOutputsParams(json='{"minimum": 1, "type": "integer"}'))
         assert a is b or a.serialize_json() == b.serialize_json()
+
+
+def test_bad_words_never_appear_and_out_of_vocabulary_ids_are_refused(path):
+    """A word greedy decoding writes unconstrained never appears once banned (as a token
+    sequence: its last token is banned where the output ends with the rest)."""
+    with LLM(path) as llm:
+        tokenizer = llm.engine.tokenizer
+        free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        ids = free[0].outputs[0].token_ids
+        word = next(  # (one whose token greedy decoding wrote)
+            w
+            for t in ids
+            if (w := tokenizer.decode([t]).strip()).isalpha()
+            and t in (*tokenizer.encode(w), *tokenizer.encode(" " + w))
+        )
+        banned = SamplingParams(temperature=0, max_tokens=40, bad_words=[word])
+        out = llm.generate(["Hello"], banned, use_tqdm=False)[0].outputs[0]
+        for text in (word, " " + word):
+            seq = tuple(tokenizer.encode(text, add_special_tokens=False))
+            got = out.token_ids
+            assert all(tuple(got[i : i + len(seq)]) != seq for i in range(len(got) - len(seq) + 1))
+        assert out.token_ids != ids
+        vocab = llm.engine.model_config.vocab_size
+        for field in ("allowed_token_ids", "logit_bias"):
+            value = [vocab] if field == "allowed_token_ids" else {vocab: 1.0}
+            with pytest.raises(ValueError, match=f"{field} .* outside the vocabulary"):
+                llm.generate(["x"], SamplingParams(**{field: value}), use_tqdm=False)

@@ -350,7 +350,7 @@ class LLMEngine:
             seqs = out.sampling_seqs
             sampled = drawn
             if sampled is None:
-                batch = self.sampler.prepare(seqs, self._grammar_masks(out))
+                batch = self.sampler.prepare(seqs, self._grammar_masks(out), self._banned(seqs))
                 clock.mark("sample")
                 log.mark(2)
                 sampled = self.sampler.sample(result.logits, batch)
@@ -401,6 +401,16 @@ class LLMEngine:
         for row, seq, position in step.pending.slots:
             request, index = self._touch(touched, seq)
             request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
+
+    def _banned(self, seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """(row, tokens) that rows with bad words may not take next."""
+        banned = []
+        for row, seq in enumerate(seqs):
+            if seq.params.bad_words:
+                owner = self._seq_owner.get(seq.seq_id)
+                if owner is not None:
+                    banned.append((row, owner[0].banned(seq)))
+        return banned
 
     def _follow_grammars(
         self, step: _InFlight, tokens: list[int], next_out: SchedulerOutput | None

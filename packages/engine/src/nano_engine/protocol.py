@@ -32,7 +32,6 @@ UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
     "suffix": (None, ""),
     "echo": (None, False),
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,),
@@ -49,8 +48,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "length_penalty": (None, 1.0, 1),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "prompt_logprobs": (None,),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
@@ -217,6 +214,9 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # (OpenAI's: token ids as JSON keys)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # a constraint on the output: OpenAI's, vLLM's, or vLLM's deprecated aliases
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -289,7 +289,20 @@ class _Sampling(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise FieldError(
+                "logit_bias", f"logit_bias keys must be token ids, got {list(self.logit_bias)}"
+            ) from None
 
     @property
     def include_usage(self) -> bool:

@@ -41,6 +41,18 @@ class Request:
     # per sequence, with a reasoning parser: the token that ends the reasoning, before which
     # the grammar does not apply (None: it applies)
     grammar_after: list[int | None] | None = None
+    bad_words: list[tuple[int, ...]] | None = None  # bad_words as token sequences
+
+    def banned(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq`` may not take next: the last of each bad word whose other tokens
+        end its output (as vLLM has it)."""
+        out = seq.output_token_ids
+        banned = []
+        for word in self.bad_words or ():
+            head = word[:-1]
+            if not head or (len(out) >= len(head) and tuple(out[len(out) - len(head) :]) == head):
+                banned.append(word[-1])
+        return banned
 
     def record(
         self,
@@ -271,9 +283,15 @@ class RequestFactory:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, given in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = [t for t in given if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad_words = self._bad_words(params.bad_words)
         most = min(self.max_logprobs, vocab)
         if params.logprobs is not None and params.logprobs > most:
             raise ValueError(
@@ -324,7 +342,22 @@ class RequestFactory:
             stream_deltas=stream_deltas,
             matchers=None if grammar is None else [self.grammars.matcher(grammar) for _ in seqs],
             grammar_after=after,
+            bad_words=bad_words,
         )
+
+    def _bad_words(self, words) -> list[tuple[int, ...]] | None:
+        """Each bad word as tokens, alone and after a space (as vLLM does)."""
+        if not words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set)")
+        found = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    found.add(ids)
+        return sorted(found)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

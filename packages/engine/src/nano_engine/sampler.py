@@ -1,6 +1,7 @@
 """Sampling on the device, for the whole batch at once.
 
-Per row: min_tokens (eos and stop ids masked), repetition / presence / frequency penalties,
+Per row: logit_bias, allowed_token_ids, min_tokens (eos and stop ids masked), bad words, a
+structured output's grammar (its bitmask), repetition / presence / frequency penalties,
 temperature (0 is greedy), top-k, top-p, min-p, then a draw by the exponential race
 (argmax of p / E with E ~ Exp(1)), which needs no normalization and lets a seeded request
 draw its noise from its own generator: the same seed gives the same tokens whatever else is in
@@ -45,6 +46,8 @@ class SamplingBatch:
     logprobs: list[int | None] = field(default_factory=list)
     # structured outputs: the bitmask of the constrained rows [R, V / 32] and those rows
     grammar: tuple[torch.Tensor, list[int]] | None = None
+    biases: list[tuple[int, list[int], list[float]]] = field(default_factory=list)  # logit_bias
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # allowed_token_ids
     # The fused path (CUDA): 1 / temperature (0 for greedy) and Philox seeds per row; rows
     # with top-k / top-p / min-p are marked in ``filtered`` and take the torch path.
     inv_temperature: torch.Tensor | None = None
@@ -91,6 +94,9 @@ class Sampler:
                 or p.frequency_penalty
                 or (seq.num_output_tokens < p.min_tokens and seq.stop_token_ids)
                 or p.structured_outputs is not None
+                or p.logit_bias
+                or p.allowed_token_ids
+                or p.bad_words
             ):
                 return None
             if p.temperature == 0:
@@ -124,10 +130,14 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def prepare(
-        self, seqs: list[Sequence], grammar: tuple[torch.Tensor, list[int]] | None = None
+        self,
+        seqs: list[Sequence],
+        grammar: tuple[torch.Tensor, list[int]] | None = None,
+        banned: list[tuple[int, list[int]]] = (),
     ) -> SamplingBatch:
         """The step's per-row parameters; ``grammar``: the bitmask of the rows with structured
-        outputs (``TokenMasks.fill``)."""
+        outputs (``TokenMasks.result``); ``banned``: (row, token ids) the rows may not take
+        (bad words)."""
         params: list[SamplingParams] = [s.params for s in seqs]
         vocab = self.vocab_size
         greedy = [p.temperature == 0 for p in params]
@@ -189,6 +199,10 @@ class Sampler:
                 and p.structured_outputs is None
             ):
                 batch.masks.append((row, sorted(seq.stop_token_ids)))
+            if p.logit_bias:
+                batch.biases.append((row, list(p.logit_bias), list(p.logit_bias.values())))
+            if p.allowed_token_ids:
+                batch.allowed.append((row, list(p.allowed_token_ids)))
             if p.seed is not None and not greedy[row] and torch_rows[row]:
                 gen = self._generators.get(seq.seq_id)
                 if gen is None:
@@ -214,6 +228,7 @@ class Sampler:
                         prompt_rows += [row] * len(prompt)
                         prompt_ids += prompt
             batch.penalty_tokens = (out_rows, out_ids, prompt_rows, prompt_ids)
+        batch.masks.extend((row, ids) for row, ids in banned if ids)
         return batch
 
     def _seed(self, seq: Sequence) -> int:
@@ -240,9 +255,17 @@ class Sampler:
             or batch.masks
             or batch.penalties is not None
             or batch.grammar is not None
+            or batch.biases
+            or batch.allowed
         ):
             logits = logits.float()  # the fused pass reads the model's dtype as it is
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        for row, ids, values in batch.biases:
+            logits[row, ids] += torch.tensor(values, device=logits.device)
+        for row, ids in batch.allowed:
+            kept = logits[row, ids]
+            logits[row] = float("-inf")
+            logits[row, ids] = kept
         for row, ids in batch.masks:
             logits[row, ids] = float("-inf")
         if batch.grammar is not None:

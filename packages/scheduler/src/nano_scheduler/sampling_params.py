@@ -108,6 +108,9 @@ class SamplingParams:
     model's maximum length. logprobs: how many top log-probabilities to return per output token
     besides the sampled one's (None: none). ``stop`` and ``stop_token_ids`` are kept as tuples.
     ``structured_outputs``: a constraint the output meets (a JSON schema, a regex, ...).
+    ``logit_bias`` adds to the logits of token ids (OpenAI's, [-100, 100]);
+    ``allowed_token_ids`` restricts the output to those tokens; ``bad_words``: words the
+    output never holds (their last token is banned where the output ends with the rest).
     """
 
     n: int = 1
@@ -128,6 +131,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self) -> None:
         normal = object.__setattr__  # (frozen: only validation sets fields)
@@ -137,6 +143,11 @@ class SamplingParams:
             normal(self, "stop", tuple(self.stop or ()))
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
             normal(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), list):
+                normal(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            normal(self, "logit_bias", dict(self.logit_bias))  # (the caller's stays theirs)
         errors = list(self._errors())
         if errors:
             raise ValueError("invalid sampling parameters: " + "; ".join(errors))
@@ -201,6 +212,32 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 yield f"{name} must be a bool, got {getattr(self, name)!r}"
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or any(not _is_int(t) or t < 0 for t in self.logit_bias)
+            or any(
+                isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100
+                for b in self.logit_bias.values()
+            )
+        ):
+            yield (
+                "logit_bias must map token ids >= 0 to biases in [-100, 100], got "
+                f"{self.logit_bias!r}"
+            )
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, tuple)
+            or not self.allowed_token_ids
+            or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            yield (
+                "allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                f"{self.allowed_token_ids!r}"
+            )
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, tuple)
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            yield f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             yield f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
