@@ -340,3 +340,18 @@ def test_auto_needs_a_parser(checkpoints):
         assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
     finally:
         assert srv.stop() == 0
+
+
+def test_llm_chat_gives_the_tools_to_the_template(checkpoints, tmp_path):
+    from transformers import AutoTokenizer
+
+    from nano_engine import LLM, SamplingParams
+
+    path = checkpoints("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    with LLM(path, tokenizer=str(tmp_path)) as llm:
+        out = llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False, tools=TOOLS)[0]
+        prompt = llm.engine.tokenizer.decode(out.prompt_token_ids)
+    assert "Tools: get_weather get_time" in prompt

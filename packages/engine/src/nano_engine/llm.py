@@ -96,11 +96,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's
-        chat template (``chat_template_kwargs`` go to it, e.g. ``{"enable_thinking": False}``).
-        With a reasoning parser, a structured output's constraint applies once the reasoning
-        has ended."""
+        chat template (``chat_template_kwargs`` go to it, e.g. ``{"enable_thinking": False}``;
+        ``tools``, OpenAI's function definitions, too). With a reasoning parser, a structured
+        output's constraint applies once the reasoning has ended."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = _conversations(messages)
@@ -111,6 +112,7 @@ class LLM:
                     conversation,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    tools=tools,
                     **template_kwargs(chat_template_kwargs),
                 )
             except Exception as e:  # (jinja and transformers raise many kinds)
