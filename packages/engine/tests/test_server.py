@@ -542,3 +542,26 @@ def test_health_and_requests_get_503_once_the_engine_is_down(checkpoints):
     assert response.status_code == 503 and "not running" in response.json()["error"]["message"]
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert response.status_code == 503 and response.json()["error"]["code"] == 503
+
+
+def test_echo_writes_the_prompt_back(server, client):
+    kwargs = dict(model=server.model, max_tokens=5, temperature=0)
+    plain = client.completions.create(prompt="Hello there", **kwargs).choices[0].text
+    echoed = client.completions.create(prompt="Hello there", echo=True, **kwargs).choices[0]
+    assert echoed.text == "Hello there" + plain
+    ids = client.completions.create(prompt=[5, 6, 7], echo=True, **kwargs).choices[0].text
+    tokens = client.completions.create(prompt=[5, 6, 7], **kwargs).choices[0].text
+    prompt = httpx.post(
+        f"{server.url}/detokenize",
+        json={"tokens": [5, 6, 7]},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()["prompt"]
+    assert ids == prompt + tokens
+    chunks = client.completions.create(prompt="Hello there", echo=True, stream=True, n=2, **kwargs)
+    texts = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [echoed.text, echoed.text]
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(prompt="x", echo=True, logprobs=1, **kwargs)

@@ -297,7 +297,6 @@ def test_extreme_sampling_values(server, client):
 
 REFUSED = {
     "suffix": "tail",
-    "echo": True,
     "use_beam_search": True,
     "prompt_logprobs": 1,
     "guided_whitespace_pattern": r"\s*",

@@ -31,7 +31,6 @@ class FieldError(ValueError):
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
     "suffix": (None, ""),
-    "echo": (None, False),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,),
@@ -323,6 +322,17 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise FieldError(
+                "echo",
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute yet: ask for one or the other",
+            )
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

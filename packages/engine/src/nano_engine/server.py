@@ -352,13 +352,15 @@ class Server:
             "model": self.model_name,
         }
         n, logprobs = params.n, body.logprobs is not None
+        if body.echo:
+            self._tokenizer("echo")  # (token-id prompts are written back as text)
         if body.stream:
             return self._sse(self._completion_chunks(streams, raw, head, n, body))
         outputs = await self._collect(streams, raw, n)
 
         def render() -> Response:
             choices = (
-                self._completion_choice(i * n + o.index, o, logprobs)
+                self._completion_choice(i * n + o.index, o, logprobs, self._echo(body, out))
                 for i, out in enumerate(outputs)
                 for o in out.outputs
             )
@@ -369,9 +371,15 @@ class Server:
     async def _completion_chunks(self, streams, raw, head, n, body):
         totals: list[RequestOutput | None] = [None] * len(streams)
         logprobs = body.logprobs is not None
+        echoed: set[int] = set()  # (choices whose prompt went out, with their first delta)
 
         def render(i: int, delta: RequestOutput) -> str:
-            choices = [self._completion_choice(i * n + o.index, o, logprobs) for o in delta.outputs]
+            choices = []
+            for o in delta.outputs:
+                index = i * n + o.index
+                prefix = self._echo(body, delta) if index not in echoed else ""
+                echoed.add(index)
+                choices.append(self._completion_choice(index, o, logprobs, prefix))
             return _event({**head, "choices": choices})
 
         async for i, delta in self._outputs(streams, raw, n):
@@ -384,10 +392,20 @@ class Server:
         if body.include_usage:
             yield _event({**head, "choices": [], "usage": _usage(totals)})
 
-    def _completion_choice(self, index: int, o: CompletionOutput, logprobs: bool) -> dict:
+    def _echo(self, body: CompletionRequest, out: RequestOutput) -> str:
+        """The prompt, written back before the completion when ``echo`` asks for it."""
+        if not body.echo:
+            return ""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_choice(
+        self, index: int, o: CompletionOutput, logprobs: bool, prefix: str = ""
+    ) -> dict:
         choice = {
             "index": index,
-            "text": o.text,
+            "text": prefix + o.text,
             "logprobs": None,
             "finish_reason": o.finish_reason,
             "stop_reason": o.stop_reason,
