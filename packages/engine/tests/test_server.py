@@ -258,7 +258,7 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         (post(server, "/health", good), 405, "Method Not Allowed"),
         (post(server, "/v1/completions", {**good, "seed": 2**64}), 400, "seed"),
         (post(server, "/v1/completions", {**good, "n": 129}), 400, r"\(n\)"),
-        (post(server, "/v1/completions", {**good, "logit_bias": {"5": 9}}), 400, "logit_bias"),
+        (post(server, "/v1/completions", {**good, "logit_bias": {"5": 500}}), 400, "logit_bias"),
         (
             post(server, "/v1/completions", {**good, "min_tokens": 1, "stop_token_ids": [10**5]}),
             400,
@@ -563,5 +563,3 @@ def test_echo_writes_the_prompt_back(server, client):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [echoed.text, echoed.text]
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(prompt="x", echo=True, logprobs=1, **kwargs)

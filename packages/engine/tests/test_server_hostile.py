@@ -298,7 +298,7 @@ def test_extreme_sampling_values(server, client):
 REFUSED = {
     "suffix": "tail",
     "use_beam_search": True,
-    "prompt_logprobs": 1,
+    "return_tokens_as_token_ids": True,
     "guided_whitespace_pattern": r"\s*",
     "priority": 3,
     "add_special_tokens": False,

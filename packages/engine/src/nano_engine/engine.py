@@ -27,7 +27,7 @@ from pathlib import Path
 
 from nano_engine.config import EngineConfig
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
-from nano_engine.outputs import RequestOutput
+from nano_engine.outputs import Logprob, RequestOutput
 from nano_engine.parallel import Workers, abort_group, init_group
 from nano_engine.requests import (
     Request,
@@ -36,7 +36,7 @@ from nano_engine.requests import (
     load_tokenizer,
     reasoning_tokens,
 )
-from nano_engine.sampler import SampledTokens, Sampler
+from nano_engine.sampler import SampledTokens, Sampler, prompt_logprobs
 from nano_engine.stats import StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
@@ -63,6 +63,8 @@ class _InFlight:
     pending: PendingStep
     rows: dict[int, int]  # seq_id -> row of its token in ``sampled``
     log: StepLogEntry | NullEntry  # its step-log record
+    # prompt logprobs: the step's (seq_id, position) slots and their tensors on the device
+    prompt: tuple[list[tuple[int, int]], tuple] | None = None
 
 
 class LLMEngine:
@@ -336,6 +338,7 @@ class LLMEngine:
             result = self.runner.execute(step, tokens, fused)
             drawn = self.sampler.drawn(result.tokens) if result.tokens is not None else None
             self._apart = False
+            prompt = self._prompt_logprobs(step, result.prompt_logits)
             log.mark(1)
             clock.mark("launch", device="forward")
         clock.mark("schedule")
@@ -357,7 +360,7 @@ class LLMEngine:
                 log.mark(3)
             clock.mark("sample", device="sample_device")
             rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-            current = _InFlight(sampled, self.scheduler.advance(out), rows, log)
+            current = _InFlight(sampled, self.scheduler.advance(out), rows, log, prompt)
             clock.mark("sample")
             if self.async_scheduling:
                 self._in_flight = current
@@ -390,6 +393,8 @@ class LLMEngine:
         logprobs, detokenization and stop strings."""
         tokens, logprobs = step.sampled.result()
         clock.mark("wait")
+        if step.prompt is not None:
+            self._record_prompt_logprobs(*step.prompt)
         if self._constrained:  # (first: the next step's bitmask fills while this one records)
             self._follow_grammars(step, tokens, next_out)
         finished = self.scheduler.resolve(step.pending, tokens, next_out)
@@ -401,6 +406,30 @@ class LLMEngine:
         for row, seq, position in step.pending.slots:
             request, index = self._touch(touched, seq)
             request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
+
+    def _prompt_logprobs(self, step: StepInput, logits) -> tuple | None:
+        """The logprobs of the step's prompt rows (those of requests that ask), computed on the
+        device now, read when the step is resolved."""
+        if logits is None:  # (none asked, or a worker rank)
+            return None
+        targets, k = [], 0
+        for seq_id, position in step.prompt_slots:
+            seq = self._seq_owner[seq_id][0].seqs[self._seq_owner[seq_id][1]]
+            targets.append(seq.token_ids[position])
+            k = max(k, seq.params.prompt_logprobs)
+        return step.prompt_slots, prompt_logprobs(logits, targets, k)
+
+    def _record_prompt_logprobs(self, slots: list[tuple[int, int]], tensors: tuple) -> None:
+        chosen, rank, values, ids = (t.tolist() for t in tensors)
+        for i, (seq_id, position) in enumerate(slots):
+            owner = self._seq_owner.get(seq_id)
+            if owner is None or owner[1] != 0:  # (the prompt's: its first sequence's)
+                continue
+            request, _ = owner
+            k = request.params.prompt_logprobs
+            token = request.prompt_token_ids[position]
+            logprob = Logprob.of(token, chosen[i], ids[i][:k], values[i][:k], rank[i])
+            request.record_prompt_logprob(position, logprob)
 
     def _banned(self, seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
         """(row, tokens) that rows with bad words may not take next."""

@@ -169,6 +169,8 @@ def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestO
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished, total.metrics = delta.finished, delta.metrics
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     return total
 
 

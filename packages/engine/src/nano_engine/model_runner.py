@@ -49,15 +49,23 @@ class StepInput:
     # is that step's sampled token of row ``row``.
     pending_positions: list[int] = field(default_factory=list)
     pending_rows: list[int] = field(default_factory=list)
+    # Rows whose logits give prompt logprobs: row i holds those of prompt token
+    # prompt_slots[i] = (seq_id, position), from the hidden state of the token before it.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, out: SchedulerOutput, previous_rows: dict[int, int] | None = None) -> StepInput:
         """The step's inputs; ``previous_rows`` maps the seq_id of each sequence whose last token
         is still a placeholder to its row in the previous step's sampled tokens."""
         ids, query_lens, seq_lens, tables, rows = [], [], [], [], []
-        positions, pending_rows = [], []
+        positions, pending_rows, prompt_rows, prompt_slots = [], [], [], []
         for chunk in out.prefills:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            if seq.params.prompt_logprobs is not None:
+                for position in range(chunk.start + 1, min(end + 1, seq.num_prompt_tokens)):
+                    prompt_rows.append(len(ids) + position - 1 - chunk.start)
+                    prompt_slots.append((seq.seq_id, position))
             ids += seq.token_ids[chunk.start : end]
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
@@ -80,7 +88,16 @@ class StepInput:
         query_lens += [1] * num_decodes
         rows += range(first, first + num_decodes)
         return cls(
-            ids, query_lens, seq_lens, tables, len(out.prefills), rows, positions, pending_rows
+            ids,
+            query_lens,
+            seq_lens,
+            tables,
+            len(out.prefills),
+            rows,
+            positions,
+            pending_rows,
+            prompt_rows,
+            prompt_slots,
         )
 
 
@@ -91,6 +108,7 @@ class StepResult(NamedTuple):
 
     logits: torch.Tensor | None
     tokens: torch.Tensor | None = None
+    prompt_logits: torch.Tensor | None = None  # [P, vocab] of ``StepInput.prompt_rows``
 
 
 def resolve_device(name: str) -> torch.device:
@@ -422,4 +440,8 @@ class ModelRunner:
         else:
             ids, positions, ctx = self.tensors(step, previous)
             hidden = self.model(ids, positions, ctx)
-        return StepResult(self.model.compute_logits(hidden, ctx))
+        prompt = None
+        if step.prompt_rows:
+            rows = torch.tensor(step.prompt_rows, device=hidden.device)
+            prompt = self.model.logits(hidden.index_select(0, rows))
+        return StepResult(self.model.compute_logits(hidden, ctx), prompt_logits=prompt)

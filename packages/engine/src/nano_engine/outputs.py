@@ -13,23 +13,29 @@ class Logprob:
     Compact: the top tokens are kept in two typed arrays (int32 ids, float32 logprobs, as the
     sampler computed them), about 0.2 KB per token with 20 of them, not a list of tuples."""
 
-    __slots__ = ("logprob", "token_id", "top_ids", "top_logprobs")
+    __slots__ = ("logprob", "rank", "token_id", "top_ids", "top_logprobs")
 
     def __init__(
         self, token_id: int, logprob: float, top: Iterable[tuple[int, float]] = ()
     ) -> None:
         pairs = list(top)
-        self.token_id, self.logprob = token_id, logprob
+        self.token_id, self.logprob, self.rank = token_id, logprob, None
         self.top_ids = array("i", [t for t, _ in pairs])
         self.top_logprobs = array("f", [v for _, v in pairs])
 
     @classmethod
     def of(
-        cls, token_id: int, logprob: float, top_ids: Sequence[int], top_logprobs: Sequence[float]
+        cls,
+        token_id: int,
+        logprob: float,
+        top_ids: Sequence[int],
+        top_logprobs: Sequence[float],
+        rank: int | None = None,
     ) -> Logprob:
-        """From the top ids and logprobs as two sequences (no pairs built)."""
+        """From the top ids and logprobs as two sequences (no pairs built); ``rank``: the
+        token's rank in the whole distribution (1: the likeliest), where computed."""
         lp = cls.__new__(cls)
-        lp.token_id, lp.logprob = token_id, logprob
+        lp.token_id, lp.logprob, lp.rank = token_id, logprob, rank
         lp.top_ids, lp.top_logprobs = array("i", top_ids), array("f", top_logprobs)
         return lp
 
@@ -73,3 +79,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one per prompt token (None for the first), in the
+    # first output once all are known
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -47,7 +47,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "length_penalty": (None, 1.0, 1),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
@@ -213,6 +212,7 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None  # (OpenAI's: token ids as JSON keys)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -285,6 +285,7 @@ class _Sampling(_Body):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(logprobs),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
@@ -292,6 +293,12 @@ class _Sampling(_Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """vLLM's prompt_logprobs; echo with logprobs needs the prompt's too."""
+        if getattr(self, "echo", False) and logprobs is not None:
+            return max(logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -323,16 +330,6 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise FieldError(
-                "echo",
-                "echo with logprobs needs the prompt's logprobs, which this server does not "
-                "compute yet: ask for one or the other",
-            )
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

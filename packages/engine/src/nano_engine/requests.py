@@ -42,6 +42,13 @@ class Request:
     # the grammar does not apply (None: it applies)
     grammar_after: list[int | None] | None = None
     bad_words: list[tuple[int, ...]] | None = None  # bad_words as token sequences
+    prompt_logprobs: list[Logprob | None] | None = None  # [None] at first, when asked for
+    _prompt_logprobs_sent: bool = False
+
+    def record_prompt_logprob(self, position: int, logprob: Logprob) -> None:
+        """The logprob of prompt token ``position`` (again after a preemption: kept once)."""
+        if self.prompt_logprobs is not None and position == len(self.prompt_logprobs):
+            self.prompt_logprobs.append(logprob)
 
     def banned(self, seq: Sequence) -> list[int]:
         """The tokens ``seq`` may not take next: the last of each bad word whose other tokens
@@ -142,6 +149,12 @@ class Request:
             "last_token_time": now,
         }
         cached = self.seqs[0].num_prefix_cached_tokens
+        prompt_logprobs = None
+        whole = self.prompt_logprobs is not None and (
+            len(self.prompt_logprobs) == len(self.prompt_token_ids)
+        )
+        if whole and not self._prompt_logprobs_sent:
+            prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -150,6 +163,7 @@ class Request:
             finished,
             cached,
             metrics,
+            prompt_logprobs,
         )
 
 
@@ -293,11 +307,13 @@ class RequestFactory:
                 raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         bad_words = self._bad_words(params.bad_words)
         most = min(self.max_logprobs, vocab)
-        if params.logprobs is not None and params.logprobs > most:
-            raise ValueError(
-                f"logprobs ({params.logprobs}) is over the engine's limit of {most} "
-                "(max_logprobs, the vocabulary size)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                raise ValueError(
+                    f"{name} ({value}) is over the engine's limit of {most} "
+                    "(max_logprobs, the vocabulary size)"
+                )
         grammar = None
         if params.structured_outputs is not None:  # (compiled here: off the step loop)
             grammar = self.grammars.compile(params.structured_outputs)
@@ -343,6 +359,7 @@ class RequestFactory:
             matchers=None if grammar is None else [self.grammars.matcher(grammar) for _ in seqs],
             grammar_after=after,
             bad_words=bad_words,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def _bad_words(self, words) -> list[tuple[int, ...]] | None:

@@ -337,6 +337,18 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> tuple[torch.Tensor, ...]:
+    """For logits [P, V] of the positions before prompt tokens ``targets``: each target's
+    logprob, its rank (1: the likeliest), and the top ``k`` logprobs and ids, on the device."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    chosen = logprobs.gather(-1, index)
+    rank = (logprobs > chosen).sum(-1) + 1
+    values, ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], index[:, :0])
+    return chosen[:, 0], rank, values, ids
+
+
 class SampledTokens:
     """One step's draws. On CUDA their copy to pinned host memory is queued behind the draw,
     so the host can schedule and launch the next step before reading them."""

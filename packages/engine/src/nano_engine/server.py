@@ -40,7 +40,7 @@ from nano_engine.connections import Gate, error_body, error_response, http_proto
 from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
-from nano_engine.outputs import CompletionOutput, RequestOutput
+from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -360,7 +360,9 @@ class Server:
 
         def render() -> Response:
             choices = (
-                self._completion_choice(i * n + o.index, o, logprobs, self._echo(body, out))
+                self._completion_choice(
+                    i * n + o.index, o, logprobs, self._echo(body, out), out, body.echo
+                )
                 for i, out in enumerate(outputs)
                 for o in out.outputs
             )
@@ -377,9 +379,13 @@ class Server:
             choices = []
             for o in delta.outputs:
                 index = i * n + o.index
-                prefix = self._echo(body, delta) if index not in echoed else ""
+                first = index not in echoed
                 echoed.add(index)
-                choices.append(self._completion_choice(index, o, logprobs, prefix))
+                prefix = self._echo(body, delta) if first else ""
+                prompt = delta if first else None
+                choices.append(
+                    self._completion_choice(index, o, logprobs, prefix, prompt, body.echo)
+                )
             return _event({**head, "choices": choices})
 
         async for i, delta in self._outputs(streams, raw, n):
@@ -401,8 +407,17 @@ class Server:
         return self.engine.tokenizer.decode(out.prompt_token_ids)
 
     def _completion_choice(
-        self, index: int, o: CompletionOutput, logprobs: bool, prefix: str = ""
+        self,
+        index: int,
+        o: CompletionOutput,
+        logprobs: bool,
+        prefix: str = "",
+        prompt: RequestOutput | None = None,
+        echo: bool = False,
     ) -> dict:
+        """A completion choice; ``prefix``: the echoed prompt text; ``prompt``: the output
+        that carries the prompt's logprobs (the first), written as vLLM's
+        ``prompt_logprobs`` and, with ``echo``, before the output's in ``logprobs``."""
         choice = {
             "index": index,
             "text": prefix + o.text,
@@ -410,18 +425,44 @@ class Server:
             "finish_reason": o.finish_reason,
             "stop_reason": o.stop_reason,
         }
-        if logprobs and o.logprobs is not None:
-            tokens = [self._token(lp.token_id) for lp in o.logprobs]
+        entries = list(o.logprobs) if logprobs and o.logprobs is not None else None
+        head = prompt.prompt_logprobs if prompt is not None else None
+        if head is not None:
+            choice["prompt_logprobs"] = [self._prompt_entry(lp) for lp in head]
+            if echo and entries is not None:
+                first = self._token(prompt.prompt_token_ids[0])
+                entries = [(first, None, {}), *head[1:], *entries]
+        if entries is not None:
+            rows = [
+                e if isinstance(e, tuple) else (self._token(e.token_id), e.logprob, self._top(e))
+                for e in entries
+            ]
+            tokens = [r[0] for r in rows]
             choice["logprobs"] = {
                 "tokens": tokens,
-                "token_logprobs": [lp.logprob for lp in o.logprobs],
-                "top_logprobs": [
-                    {self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
-                    for lp in o.logprobs
-                ],
+                "token_logprobs": [r[1] for r in rows],
+                "top_logprobs": [None if r[1] is None else r[2] for r in rows],
                 "text_offset": text_offsets(tokens),
             }
         return choice
+
+    def _top(self, lp: Logprob) -> dict:
+        return {self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+
+    def _prompt_entry(self, lp: Logprob | None) -> dict | None:
+        """vLLM's prompt_logprobs entry: token id -> logprob, rank, decoded token."""
+        if lp is None:
+            return None
+        entry = {
+            str(t): {"logprob": v, "rank": rank, "decoded_token": self._token(t)}
+            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank,
+            "decoded_token": self._token(lp.token_id),
+        }
+        return entry
 
     # ---- chat --------------------------------------------------------------------------------
 
@@ -473,7 +514,11 @@ class Server:
             }
 
         def render() -> Response:
-            return _json(head, (choice(o) for o in outputs[0].outputs), _usage(outputs))
+            top = head
+            if outputs[0].prompt_logprobs is not None:  # (vLLM's, beside the choices)
+                entries = [self._prompt_entry(lp) for lp in outputs[0].prompt_logprobs]
+                top = {**head, "prompt_logprobs": entries}
+            return _json(top, (choice(o) for o in outputs[0].outputs), _usage(outputs))
 
         return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 

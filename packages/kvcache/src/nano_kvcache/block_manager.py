@@ -134,8 +134,9 @@ class BlockManager:
         return xxhash.xxh3_128_intdigest(parent + array("q", token_ids).tobytes())
 
     def _cached_prefix(self, seq: KVSequence) -> list[Block]:
-        """The longest run of registered full blocks matching seq's prefix (last token excluded)."""
-        if not self.enable_prefix_caching:
+        """The longest run of registered full blocks matching seq's prefix (last token excluded);
+        none for a sequence whose ``reads_prefix_cache`` is false."""
+        if not self.enable_prefix_caching or not getattr(seq, "reads_prefix_cache", True):
             return []
         token_ids, bs, blocks = seq.token_ids, self.block_size, self.blocks
         hits: list[Block] = []

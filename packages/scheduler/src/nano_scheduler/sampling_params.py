@@ -106,7 +106,9 @@ class SamplingParams:
     temperature 0 (or below 1e-5) means greedy; from 1e-5 to 1e-2 it is raised to 1e-2, as in
     vLLM. top_k 0 or -1 and top_p 1 turn those filters off. max_tokens None means until the
     model's maximum length. logprobs: how many top log-probabilities to return per output token
-    besides the sampled one's (None: none). ``stop`` and ``stop_token_ids`` are kept as tuples.
+    besides the sampled one's (None: none); prompt_logprobs: the same per prompt token (from
+    the second; such a request does not read the prefix cache: every prompt token is
+    computed). ``stop`` and ``stop_token_ids`` are kept as tuples.
     ``structured_outputs``: a constraint the output meets (a JSON schema, a regex, ...).
     ``logit_bias`` adds to the logits of token ids (OpenAI's, [-100, 100]);
     ``allowed_token_ids`` restricts the output to those tokens; ``bad_words``: words the
@@ -128,6 +130,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -207,8 +210,10 @@ class SamplingParams:
             not _is_int(t) or t < 0 for t in self.stop_token_ids
         ):
             yield f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            yield f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                yield f"{name} must be an integer >= 0 or None, got {value!r}"
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 yield f"{name} must be a bool, got {getattr(self, name)!r}"

@@ -58,6 +58,12 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the block manager may give it cached prefix blocks (not when its prompt's
+        logprobs are asked for: every prompt token must be computed)."""
+        return self.params.prompt_logprobs is None
+
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "

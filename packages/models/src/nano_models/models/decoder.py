@@ -197,7 +197,12 @@ class DecoderForCausalLM(nn.Module):
         return self.model.piece(i, positions, state, attn_out, ctx)
 
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        return self.lm_head(hidden[ctx.logits_indices])
+        return self.logits(hidden[ctx.logits_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits [R, vocab] of hidden states [R, hidden] (None on tensor-parallel ranks
+        other than 0)."""
+        return self.lm_head(hidden)
 
     @property
     def attention_layers(self) -> list[Attention]:
