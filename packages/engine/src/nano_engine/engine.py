@@ -446,6 +446,9 @@ class LLMEngine:
     ) -> None:
         """Advance the matchers of a resolved step's constrained sequences by their tokens, then
         start filling the next step's bitmask (it runs while the loop records this step)."""
+        if self._masks is not None and self._masks[1] is not None:
+            self._masks[1].result()  # (one never used: no matcher moves while it fills)
+        self._masks = None
         for row, seq, _ in step.pending.slots:
             owner = self._seq_owner.get(seq.seq_id)
             if owner is not None and owner[0].matchers is not None:
