@@ -221,6 +221,7 @@ def test_the_grammar_end_finishes_with_stop(path):
         ({"json": [1]}, "json must be a JSON schema"),
         ({"choice": []}, "choice must be a non-empty list"),
         ({"grammar": ""}, "grammar must be a non-empty string"),
+        ({"json": False, "regex": "a"}, "exactly one of .* got json, regex"),
     ],
 )
 def test_malformed_constraints_are_refused(constraint, message):
@@ -280,3 +281,23 @@ def test_bad_words_never_appear_and_out_of_vocabulary_ids_are_refused(path):
             value = [vocab] if field == "allowed_token_ids" else {vocab: 1.0}
             with pytest.raises(ValueError, match=f"{field} .* outside the vocabulary"):
                 llm.generate(["x"], SamplingParams(**{field: value}), use_tqdm=False)
+
+
+def test_the_output_follows_the_schemas_order_and_the_string_patch_applies(path):
+    """Properties come in the schema's order (not sorted); the patch of xgrammar's JSON string
+    characters finds what it replaces (it would silently do nothing if xgrammar's printed
+    grammar changed)."""
+    from nano_engine.structured import _STRING_CHARS
+
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    with LLM(path) as llm:
+        text = llm.generate(["x"], SamplingParams(max_tokens=40, structured_outputs=so))
+    assert list(json.loads(text[0].outputs[0].text)) == ["zeta", "alpha"]
+    printed = str(xgr.Grammar.from_json_schema('{"type": "string", "maxLength": 3}'))
+    assert all(theirs in printed for theirs in _STRING_CHARS), printed

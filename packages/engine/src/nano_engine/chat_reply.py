@@ -44,6 +44,7 @@ class ChatReply:
         return message, bool(calls)
 
     def stream(self) -> ChatReplyStream:
+        """The deltas of one streamed choice."""
         return ChatReplyStream(self)
 
 

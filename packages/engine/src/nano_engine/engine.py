@@ -470,7 +470,7 @@ class LLMEngine:
                     matchers.append(matcher)
         return self._token_masks.start(matchers, rows) if rows else None
 
-    def _grammar_masks(self, out: SchedulerOutput):
+    def _grammar_masks(self, out: SchedulerOutput) -> tuple | None:
         """The bitmask of a step's rows with structured outputs (started while the step before
         was resolved, or now), or None."""
         if not self._constrained:

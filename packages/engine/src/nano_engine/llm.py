@@ -38,7 +38,9 @@ class LLM:
         request is validated before any runs: bad input raises and nothing is queued."""
         return self._generate(prompts, sampling_params, use_tqdm, reasoning=False)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, reasoning: bool):
+    def _generate(
+        self, prompts, sampling_params, use_tqdm: bool, reasoning: bool
+    ) -> list[RequestOutput]:
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -135,7 +137,16 @@ class LLM:
 
 
 # apply_chat_template's own arguments: not for chat_template_kwargs to set
-_TEMPLATE_ARGS = ("conversation", "tokenize", "add_generation_prompt", "return_dict", "tools")
+_TEMPLATE_ARGS = (
+    "conversation",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "tools",
+    "chat_template",
+    "continue_final_message",
+    "documents",
+)
 
 
 def template_kwargs(kwargs: dict | None) -> dict:

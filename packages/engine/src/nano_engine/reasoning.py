@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReasoningParser:
+    """A model's thinking between ``start`` and ``end`` tags."""
+
     name: str
     start: str
     end: str
@@ -19,6 +21,7 @@ class ReasoningParser:
         return prompt.rfind(self.start) > prompt.rfind(self.end)
 
     def stream(self, opened: bool = False) -> ReasoningStream:
+        """A splitter of one streamed output (``opened``: the prompt left the model thinking)."""
         return ReasoningStream(self, opened)
 
     def split(self, text: str, opened: bool = False) -> tuple[str | None, str | None]:
@@ -87,6 +90,7 @@ PARSERS = {
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser of ``--reasoning-parser`` ``name`` (ValueError for an unknown one)."""
     if name not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(PARSERS))}")
     return PARSERS[name]

@@ -306,6 +306,12 @@ class RequestFactory:
             if bad:
                 raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         bad_words = self._bad_words(params.bad_words)
+        outside = sorted({t for word in bad_words or () for t in word if t >= vocab})
+        if outside:
+            raise ValueError(
+                f"bad_words tokenize to ids {outside[:5]} outside the model's vocabulary "
+                f"[0, {vocab})"
+            )
         most = min(self.max_logprobs, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)

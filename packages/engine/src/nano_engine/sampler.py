@@ -133,7 +133,7 @@ class Sampler:
         self,
         seqs: list[Sequence],
         grammar: tuple[torch.Tensor, list[int]] | None = None,
-        banned: list[tuple[int, list[int]]] = (),
+        banned: list[tuple[int, list[int]]] | None = None,
     ) -> SamplingBatch:
         """The step's per-row parameters; ``grammar``: the bitmask of the rows with structured
         outputs (``TokenMasks.result``); ``banned``: (row, token ids) the rows may not take
@@ -191,12 +191,13 @@ class Sampler:
             batch.filtered = next(packed) > 0
             batch.num_filtered = sum(filtered)
         dev = self.device
+        constrained = set(grammar[1]) if grammar is not None else ()
         for row, (seq, p) in enumerate(zip(seqs, params)):
             # (a grammar's end, where only a stop token may come, wins over min_tokens)
             if (
                 seq.num_output_tokens < p.min_tokens
                 and seq.stop_token_ids
-                and p.structured_outputs is None
+                and row not in constrained
             ):
                 batch.masks.append((row, sorted(seq.stop_token_ids)))
             if p.logit_bias:
@@ -228,7 +229,7 @@ class Sampler:
                         prompt_rows += [row] * len(prompt)
                         prompt_ids += prompt
             batch.penalty_tokens = (out_rows, out_ids, prompt_rows, prompt_ids)
-        batch.masks.extend((row, ids) for row, ids in banned if ids)
+        batch.masks.extend((row, ids) for row, ids in banned or () if ids)
         return batch
 
     def _seed(self, seq: Sequence) -> int:

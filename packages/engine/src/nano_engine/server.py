@@ -50,6 +50,7 @@ from nano_engine.protocol import (
 )
 from nano_engine.reasoning import get_reasoning_parser
 from nano_engine.streams import EngineDeadError, RequestStream
+from nano_engine.structured import StructuredOutputsUnavailable
 from nano_engine.tool_calls import Named, Required, ToolFormat, get_tool_parser
 from nano_scheduler import SamplingParams
 
@@ -258,9 +259,10 @@ class Server:
                 self.engine.submit(requests)
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from e
+        except StructuredOutputsUnavailable as e:
+            raise APIError(501, str(e), "not_implemented") from e
         except (ValueError, TypeError) as e:
-            param = structured if str(e).startswith("structured outputs") else None
-            raise APIError(400, str(e), param=param) from e
+            raise APIError(400, str(e), param=_param_of(str(e), structured)) from e
         return [r.stream for r in requests]
 
     async def _outputs(
@@ -648,9 +650,9 @@ class Server:
         except Exception as e:  # a template that rejects these messages: the client's input
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, kwargs=None) -> list[int]:
+    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         """The token ids of messages through the chat template (400 where it rejects them)."""
-        text = self._chat_prompt(messages, add_generation_prompt, kwargs)
+        text = self._chat_prompt(messages, add_generation_prompt)
         return self.engine.tokenizer(text, add_special_tokens=False).input_ids
 
     def _decode_token(self, token_id: int) -> str:
@@ -706,6 +708,25 @@ def _request_id(raw: Request, body, kind: str) -> str:
 def text_offsets(tokens: list[str]) -> list[int]:
     """Where each token's text starts in the completion (linear: a running sum)."""
     return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+
+
+# request fields an engine error may begin with (its param)
+_NAMED_IN_ERRORS = (
+    "stop_token_ids",
+    "allowed_token_ids",
+    "logit_bias",
+    "bad_words",
+    "prompt_logprobs",
+    "logprobs",
+)
+
+
+def _param_of(message: str, structured: str | None) -> str | None:
+    """The request field an engine error names: the field that carried a constraint that did
+    not compile, else the field the message begins with."""
+    if message.startswith("structured outputs"):
+        return structured
+    return next((f for f in _NAMED_IN_ERRORS if message.startswith(f + " ")), None)
 
 
 def _cost(chars: int, params: SamplingParams) -> int:

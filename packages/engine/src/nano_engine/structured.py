@@ -26,11 +26,19 @@ _STRING_CHARS = {
 _LOCATION = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 
 
+# the compiled grammars xgrammar keeps for reuse (as vLLM's default)
+CACHE_LIMIT_BYTES = 512 << 20
+
+
+class StructuredOutputsUnavailable(ValueError):
+    """xgrammar is not installed: the engine's setup, not the request, is at fault."""
+
+
 def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise ValueError(
+        raise StructuredOutputsUnavailable(
             "structured outputs need xgrammar: pip install 'nano-engine[structured]'"
         ) from None
     return xgrammar
@@ -39,7 +47,7 @@ def _xgrammar():
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe (requests are made on any thread)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: list[int]) -> None:
         """``vocab_size``: the width of the model's logits (may exceed the tokenizer's);
         ``stop_token_ids``: the tokens that end a sequence whose grammar is complete."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -58,10 +66,10 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
 
-    def compile(self, so: StructuredOutputsParams):
+    def compile(self, so: StructuredOutputsParams) -> object:
         """The compiled grammar of a constraint; ValueError naming what xgrammar refused."""
         compiler = self._get()
         kind = so.kind
@@ -88,7 +96,7 @@ class GrammarCompiler:
                 f"structured outputs: xgrammar cannot compile the {kind}: {message}"
             ) from None
 
-    def matcher(self, grammar):
+    def matcher(self, grammar: object) -> object:
         """A new matcher at the grammar's start (one per sequence)."""
         return _xgrammar().GrammarMatcher(grammar)
 
@@ -142,12 +150,14 @@ class TokenMasks:
         return host.to(self.device, non_blocking=True), rows
 
     def close(self) -> None:
+        """Stop the fill thread (at the engine's shutdown)."""
         self._pool.shutdown(wait=True)
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
     """Set the float32 logits [S, V] of the tokens the bitmask forbids to -inf, in place."""
     bitmask, rows = masks
+    # (xgrammar's ``indices`` index the bitmask by logits row too; ours holds the rows only)
     apply = _xgrammar().apply_token_bitmask_inplace
     if len(rows) == logits.shape[0]:  # (rows are in order: every row is constrained)
         apply(logits, bitmask)

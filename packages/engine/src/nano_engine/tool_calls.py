@@ -62,6 +62,8 @@ class ToolFormat(ABC):
 
 
 class Hermes(ToolFormat):
+    """Qwen's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, content before."""
+
     start, end = "<tool_call>", "</tool_call>"
 
     def split(self, text, final):
@@ -85,6 +87,9 @@ class Hermes(ToolFormat):
 
 
 class Llama3Json(ToolFormat):
+    """Llama 3.x's ``{"name": ..., "parameters": {...}}``, ``;``-joined, after an optional
+    ``<|python_tag|>``; a reply that does not start so is content."""
+
     tag = "<|python_tag|>"
 
     def split(self, text, final):
@@ -177,16 +182,19 @@ FORMATS: dict[str, type[ToolFormat]] = {"hermes": Hermes, "llama3_json": Llama3J
 
 
 def get_tool_parser(name: str) -> ToolFormat:
+    """The format of ``--tool-call-parser`` ``name`` (ValueError for an unknown one)."""
     if name not in FORMATS:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(FORMATS))}")
     return FORMATS[name]()
 
 
 def call_id() -> str:
+    """A fresh tool call id."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def arguments_text(args: dict) -> str:
+    """A call's arguments as the JSON text OpenAI's ``arguments`` holds."""
     return json.dumps(args, ensure_ascii=False)
 
 
@@ -211,6 +219,12 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
+        if final and not self.sent:  # (what did not parse is content, as in ``parse``)
+            whole, calls = self.fmt.parse(self.text)
+            if not calls:
+                rest = (whole or "")[self._content :]
+                self._content += len(rest)
+                return rest, []
         content, calls_text = self.fmt.split(self.text, final)
         out_content = content[self._content :] if len(content) > self._content else ""
         self._content = max(self._content, len(content))

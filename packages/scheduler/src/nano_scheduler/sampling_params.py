@@ -36,12 +36,12 @@ class StructuredOutputsParams:
     (``json``: a dict or its JSON text), any JSON object (``json_object=True``), a regular
     expression (``regex``, the whole output matches it), one of a few strings (``choice``) or
     an EBNF grammar (``grammar``, GBNF style, its start rule ``root``). ``disable_any_whitespace``:
-    JSON without whitespace between its elements (else at most a short run of it).
+    JSON without whitespace between its elements (else any whitespace, as in vLLM).
 
     Checked here for form only; whether the engine can compile the schema, the expression or
     the grammar, it tells when the request is made (a ValueError naming the problem). ``json``
-    is kept as JSON text (sorted keys), so that params are hashable and equal schemas share a
-    compiled grammar."""
+    is kept as JSON text (its keys in their order: the output's properties follow it), so that
+    params are hashable and equal schemas share a compiled grammar."""
 
     json: str | dict | bool | None = None
     regex: str | None = None
@@ -56,7 +56,7 @@ class StructuredOutputsParams:
             raise ValueError("invalid structured outputs: " + "; ".join(errors))
 
     def _errors(self):
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if self._given(k)]
         if len(given) != 1:
             yield (
                 f"give exactly one of {', '.join(_KINDS)}, got "
@@ -75,7 +75,7 @@ class StructuredOutputsParams:
         elif schema is not None and not isinstance(schema, (dict, bool)):
             yield f"json must be a JSON schema (a dict or its text), got {type(schema).__name__}"
         if isinstance(schema, (dict, bool)):
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(schema))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -92,10 +92,14 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, bool):
                 yield f"{name} must be a bool, got {value!r}"
 
+    def _given(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is True if kind == "json_object" else value is not None
+
     @property
     def kind(self) -> str:
         """Which constraint: json, regex, choice, grammar or json_object."""
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in _KINDS if self._given(k))
 
 
 @dataclass(frozen=True)
