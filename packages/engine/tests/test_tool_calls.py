@@ -274,9 +274,11 @@ def test_tools_and_calls_in_the_history_reach_the_template(server):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
-    ids = httpx.post(f"{server.url}/tokenize", json={"messages": history}).json()["tokens"]
+    body = {"messages": history, "tools": TOOLS}
+    ids = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
     prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>' in prompt
+    assert "Tools: get_weather get_time" in prompt  # (/tokenize counts a chat's prompt)
     assert "<|im_start|>tool\n12:00" in prompt
     response = httpx.post(
         f"{server.url}/v1/chat/completions",

@@ -580,7 +580,13 @@ class Server:
             raise APIError(400, "give exactly one of prompt and messages")
         if body.messages is not None:
             chars = _chars(body.messages)
-            work = functools.partial(self._chat_ids, body.messages, body.add_generation_prompt)
+            work = functools.partial(
+                self._chat_ids,
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
+                body.tools,
+            )
         else:
             chars = len(body.prompt)
 
@@ -650,9 +656,12 @@ class Server:
         except Exception as e:  # a template that rejects these messages: the client's input
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
 
-    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
-        """The token ids of messages through the chat template (400 where it rejects them)."""
-        text = self._chat_prompt(messages, add_generation_prompt)
+    def _chat_ids(
+        self, messages, add_generation_prompt: bool, kwargs=None, tools=None
+    ) -> list[int]:
+        """The token ids of messages (and tools) through the chat template, as a chat's prompt
+        (400 where it rejects them)."""
+        text = self._chat_prompt(messages, add_generation_prompt, kwargs, tools)
         return self.engine.tokenizer(text, add_special_tokens=False).input_ids
 
     def _decode_token(self, token_id: int) -> str:
