@@ -117,6 +117,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each; the best counts")
     parser.add_argument("--schemas", default="typical,bounded", help="of: " + ", ".join(SCHEMAS))
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--phases", action="store_true", help="also print where each run's step time goes"
+    )
+    parser.add_argument(
+        "--cprofile", type=int, metavar="N", help="and the loop's N costliest functions"
+    )
+    parser.add_argument(
+        "--grammar-threads", type=int, help="xgrammar's threads for the bitmask (default: auto)"
+    )
     args = parser.parse_args()
     vocab = json.loads(Path(args.model).read_text())["vocab_size"]
     if args.make_tokenizer:
@@ -134,6 +143,10 @@ def main() -> None:
         max_num_seqs=args.requests,
         max_model_len=args.prompt_len + args.max_tokens + 16,
     )
+    if args.grammar_threads:
+        import xgrammar
+
+        llm.engine._token_masks._batch = xgrammar.BatchGrammarMatcher(args.grammar_threads)
     rng = random.Random(0)
     prompts = [
         [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
@@ -179,6 +192,11 @@ def measure(llm, prompts, schema: dict, args) -> dict:
     free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in lengths]
     best_u = min(run(llm, prompts, free)[0] for _ in range(args.repeat))
     tokens = sum(lengths)
+    if args.phases:
+        print("constrained:", phases(llm, prompts, constrained))
+        print("unconstrained:", phases(llm, prompts, free))
+    if args.cprofile:
+        print(loop_profile(llm, prompts, constrained, args.cprofile))
     return {
         "requests": len(prompts),
         "output_tokens": tokens,
@@ -190,6 +208,87 @@ def measure(llm, prompts, schema: dict, args) -> dict:
         "compile_first_s": first,
         "compile_cached_s": cached,
     }
+
+
+def phases(llm, prompts, params) -> str:
+    """Mean milliseconds per decode step of one more run, by phase of the loop (the step log),
+    with some of the calls inside them: ``accept`` (the matchers' work started and its tokens
+    taken, in ``post``), ``masks`` (the wait for the bitmask and its copy, in ``sample``), the
+    sampler's and the scheduler's calls."""
+    engine = llm.engine
+    calls = {
+        "accept": (engine, ("_follow_grammars", "_grammars_followed")),
+        "masks": (engine, ("_grammar_masks",)),
+        "fused_rows": (engine.sampler, ("fused_rows",)),
+        "prepare": (engine.sampler, ("prepare", "prepare_fused")),
+        "sampler": (engine.sampler, ("sample",)),
+        "advance": (engine.scheduler, ("advance",)),
+        "resolve": (engine.scheduler, ("resolve",)),
+        "output": (engine, ("_output",)),
+    }
+    spent = dict.fromkeys(calls, 0.0)
+
+    def timed(name, fn):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return call
+
+    for name, (owner, methods) in calls.items():
+        for method in methods:
+            setattr(owner, method, timed(name, getattr(owner, method)))
+    recorder = engine.record_steps()
+    try:
+        run(llm, prompts, params)
+    finally:
+        engine.stop_recording()
+        for owner, methods in calls.values():
+            for method in methods:
+                delattr(owner, method)
+    steps = [s for s in recorder.steps if s.decodes[0] and not s.prefills]
+    n = max(1, len(steps))
+    mean = {
+        name: 1e3 * sum(getattr(s, name) or 0.0 for s in steps) / n
+        for name in ("schedule", "launch", "wait", "post", "sample", "publish")
+    }
+    mean["step"] = 1e3 * (steps[-1].t - steps[0].t) / max(1, n - 1) if steps else 0.0
+    for name in ("forward", "sample_device"):
+        mean[name] = 1e3 * sum(getattr(s, name) or 0.0 for s in steps) / n
+    mean |= {name: 1e3 * v / n for name, v in spent.items()}
+    return f"{len(steps)} decode steps, ms each: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in mean.items()
+    )
+
+
+def loop_profile(llm, prompts, params, top: int) -> str:
+    """cProfile of the loop's iterations during one more run: its ``top`` functions by own
+    time (the profiler slows Python down, so shares, not times, are what it shows)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine, profile = llm.engine, cProfile.Profile()
+    step = engine._step
+
+    def profiled(*a, **k):
+        profile.enable()
+        try:
+            return step(*a, **k)
+        finally:
+            profile.disable()
+
+    engine._step = profiled
+    try:
+        run(llm, prompts, params)
+    finally:
+        del engine._step
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def _parses(text: str) -> bool:

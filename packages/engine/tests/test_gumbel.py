@@ -127,3 +127,109 @@ def test_the_fused_pass_sees_min_tokens_masks_and_penalties(monkeypatch):
         assert tokens == [9, 9]
     plain = [Sequence(i, [1, 2], SamplingParams(temperature=0.2)) for i in range(2)]
     assert sampler(logits.clone(), sampler.prepare(plain))[0] == [7, 7]
+
+
+def bitmask_of(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's layout, built independently: bit t % 32 of word t // 32 allows token t."""
+    words = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_a_bitmask_restricts_each_row_to_its_tokens():
+    """Rows with a bitmask draw among its tokens only, by their softmax (greedy: their argmax);
+    rows without one (mask row -1) draw from the whole vocabulary as before."""
+    rows, temperature = 2000, 0.8
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(rows, VOCAB, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    # tokens in several words and slices: the first, one at a word's top bit, the last
+    allowed = [{0, 31, 32, 4095, 4096, 4999}, {7, 2047, 2048, 4127}]
+    bitmask = bitmask_of(allowed, VOCAB).to(DEVICE)
+    # rows 0 mod 4 -> mask 0, 1 mod 4 -> mask 1, the rest unmasked; row 2 mod 4 greedy
+    mask_rows = torch.tensor([[0, 1, -1, -1][r % 4] for r in range(rows)], dtype=torch.int32)
+    inv = torch.tensor([0.0 if r % 4 == 2 else 1 / temperature for r in range(rows)])
+    seeds = torch.arange(rows) * 104729 + 7
+    tokens = gumbel_argmax(
+        logits, inv.to(DEVICE), seeds.to(DEVICE), bitmask, mask_rows.to(DEVICE)
+    ).tolist()
+    assert all(tokens[r] in allowed[0] for r in range(0, rows, 4))
+    assert all(tokens[r] in allowed[1] for r in range(1, rows, 4))
+    greedy = logits[2::4].float().argmax(-1).tolist()
+    assert tokens[2::4] == greedy
+    unmasked = gumbel_argmax(logits, inv.to(DEVICE), seeds.to(DEVICE)).tolist()
+    assert tokens[3::4] == unmasked[3::4]  # (a row without a mask draws as without one)
+    # one row's logits repeated, masked to its 6 tokens: the draws follow their softmax
+    same = logits[:1].repeat(rows, 1)
+    masked = gumbel_argmax(
+        same,
+        torch.full((rows,), 1 / temperature, device=DEVICE),
+        seeds.to(DEVICE),
+        bitmask,
+        torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+    ).tolist()
+    live = sorted(allowed[0])
+    values = same[0, live].double().cpu()
+    expected = torch.softmax(values / temperature, 0) * rows
+    observed = torch.tensor([masked.count(t) for t in live], dtype=torch.float64)
+    keep = expected >= 5  # (the chi-square test needs expected counts of at least 5)
+    chi2 = ((observed - expected)[keep] ** 2 / expected[keep]).sum().item()
+    assert sum(observed) == rows
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} (p < 0.001 at 5 degrees of freedom)"
+
+
+def test_a_bad_bitmask_is_refused():
+    logits = torch.zeros(2, VOCAB, device=DEVICE)
+    inv, seeds = torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    narrow = torch.zeros(2, VOCAB // 32, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="bitmask"):
+        gumbel_argmax(logits, inv, seeds, narrow, rows)
+    with pytest.raises(ValueError, match="bitmask"):
+        gumbel_argmax(logits, inv, seeds, narrow.long(), rows)
+
+
+@pytest.mark.parametrize("path", ["prepare_fused", "prepare", "logprobs"])
+def test_the_sampler_keeps_constrained_rows_to_their_bitmask(monkeypatch, path):
+    """A grammar's bitmask through the sampler: read by the fused pass (plain rows, with
+    ``prepare_fused``'s inputs or ``prepare``'s) or applied to the float32 logits (a row asks
+    for logprobs); rows without one are untouched."""
+    from nano_engine import gumbel
+    from nano_engine.sampler import Sampler
+    from nano_scheduler import SamplingParams, Sequence, StructuredOutputsParams
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(gumbel, "available", lambda device: True)
+    vocab = 96
+    sampler = Sampler(torch.device(DEVICE), vocab)
+    logits = torch.zeros(4, vocab, device=DEVICE, dtype=torch.bfloat16)
+    logits[:, 5] = 40.0  # what an unconstrained row takes (at temperature 0.5)
+    regex = StructuredOutputsParams(regex="a")  # (rows 2 and 0; their bitmasks are made here)
+    params = [
+        SamplingParams(temperature=0.5, structured_outputs=regex),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0.5, structured_outputs=regex),
+        SamplingParams(temperature=0.5, logprobs=2 if path == "logprobs" else None),
+    ]
+    seqs = [Sequence(i, [1, 2], p) for i, p in enumerate(params)]
+    assert sampler.fused_rows(seqs) is None
+    allowed = [{33, 64}, {0, 95}]  # rows 2 and 0 are constrained, in that order
+    grammar = (bitmask_of(allowed, vocab).to(DEVICE), [2, 0])
+    seen = [set() for _ in range(4)]
+    for _ in range(24):
+        if path == "prepare_fused":
+            batch = sampler.prepare_fused(sampler.fused_rows(seqs, grammar=True), grammar)
+        else:
+            batch = sampler.prepare(seqs, grammar)
+        tokens, logprobs = sampler(logits.clone(), batch)
+        for row, token in enumerate(tokens):
+            seen[row].add(token)
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)  # (new Philox seeds each step)
+    assert seen[2] <= allowed[0] and seen[0] <= allowed[1]
+    assert len(seen[2]) == 2 and len(seen[0]) == 2  # (the allowed tokens are equally likely)
+    assert seen[1] == {5} and seen[3] == {5}
+    assert (logprobs[3] is not None) == (path == "logprobs")
+    if path == "logprobs":
+        assert sampler.fused_rows(seqs, grammar=True) is None

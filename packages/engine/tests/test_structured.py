@@ -301,3 +301,29 @@ def test_the_output_follows_the_schemas_order_and_the_string_patch_applies(path)
     assert list(json.loads(text[0].outputs[0].text)) == ["zeta", "alpha"]
     printed = str(xgr.Grammar.from_json_schema('{"type": "string", "maxLength": 3}'))
     assert all(theirs in printed for theirs in _STRING_CHARS), printed
+
+
+def test_a_steps_grammar_work_takes_tokens_then_fills_without_the_ended():
+    """TokenMasks' background work on a vocabulary of single letters: each matcher takes its
+    token (refused, taken, or a stop token that ends its grammar), then the bitmask of the
+    next rows fills, leaving out the matcher that ended."""
+    from nano_engine.structured import ACCEPTED, ENDED, REJECTED, TokenMasks
+
+    vocab = ["a", "b", "c", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[3])
+    grammar = xgr.GrammarCompiler(info).compile_grammar('root ::= "a" "b"?')
+    done, going, wrong = (xgr.GrammarMatcher(grammar) for _ in range(3))
+    assert done.accept_token(0)  # "a": the grammar may end here
+    masks = TokenMasks(torch.device("cpu"), len(vocab), [3])
+    try:
+        work = masks.start([done, going, wrong], [3, 0, 2], [done, going, wrong], [4, 1, 2])
+        assert work.statuses_of_tokens() == [ENDED, ACCEPTED, REJECTED]
+        bitmask, rows = work.masks()
+        assert rows == [1, 2]  # (row 4's grammar ended: no bitmask)
+        allowed = [{t for t in range(len(vocab)) if row >> t & 1} for row in bitmask[:, 0].tolist()]
+        assert allowed == [{1, 3}, {0}]  # after "a": "b" or the end; nothing taken: "a"
+        assert done.is_terminated() and not going.is_terminated()
+        assert masks.start([], [], [going], [0]).masks()[1] == [0]
+        assert masks.start([going], [3], [going], [0]).masks() is None  # (it ended)
+    finally:
+        masks.close()

@@ -40,10 +40,11 @@ from nano_engine.sampler import SampledTokens, Sampler, prompt_logprobs
 from nano_engine.stats import StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
-from nano_engine.structured import GrammarCompiler, TokenMasks
+from nano_engine.structured import ENDED, REJECTED, GrammarCompiler, GrammarWork, TokenMasks
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
+    FinishReason,
     PendingStep,
     SamplingParams,
     Scheduler,
@@ -119,9 +120,9 @@ class LLMEngine:
             GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)),
             reasoning_tokens(self.tokenizer, config.reasoning_parser),
         )
-        self._token_masks = TokenMasks(self.runner.device, mc.vocab_size)
+        self._token_masks = TokenMasks(self.runner.device, mc.vocab_size, self.eos_token_ids)
         self._constrained = 0  # live requests with structured outputs
-        self._masks: tuple[SchedulerOutput, Future] | None = None  # a step's, being filled
+        self._masks: tuple[SchedulerOutput, GrammarWork] | None = None  # a step's, filling
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -353,7 +354,7 @@ class LLMEngine:
             seqs = out.sampling_seqs
             sampled = drawn
             if sampled is None:
-                batch = self.sampler.prepare(seqs, self._grammar_masks(out), self._banned(seqs))
+                batch = self._sampling_batch(out, seqs)
                 clock.mark("sample")
                 log.mark(2)
                 sampled = self.sampler.sample(result.logits, batch)
@@ -395,9 +396,11 @@ class LLMEngine:
         clock.mark("wait")
         if step.prompt is not None:
             self._record_prompt_logprobs(*step.prompt)
-        if self._constrained:  # (first: the next step's bitmask fills while this one records)
-            self._follow_grammars(step, tokens, next_out)
+        # (first: the matchers move and the next step's bitmask fills while this one records)
+        grammar = self._follow_grammars(step, tokens, next_out) if self._constrained else None
         finished = self.scheduler.resolve(step.pending, tokens, next_out)
+        if grammar is not None and grammar[0]:
+            self._grammars_followed(*grammar)
         clock.resolved += len(step.pending.slots)
         clock.finished += len(finished)
         # (those finished while scheduling the step come first: their outputs are out already)
@@ -431,6 +434,15 @@ class LLMEngine:
             logprob = Logprob.of(token, chosen[i], ids[i][:k], values[i][:k], rank[i])
             request.record_prompt_logprob(position, logprob)
 
+    def _sampling_batch(self, out: SchedulerOutput, seqs: list[Sequence]):
+        """The sampler's inputs for a step it draws outside a decode graph."""
+        grammar = self._grammar_masks(out)
+        if grammar is not None:  # (rows that need no more than the bitmask: one fused pass)
+            rows = self.sampler.fused_rows(seqs, grammar=True)
+            if rows is not None:
+                return self.sampler.prepare_fused(rows, grammar)
+        return self.sampler.prepare(seqs, grammar, self._banned(seqs))
+
     def _banned(self, seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
         """(row, tokens) that rows with bad words may not take next."""
         banned = []
@@ -443,32 +455,55 @@ class LLMEngine:
 
     def _follow_grammars(
         self, step: _InFlight, tokens: list[int], next_out: SchedulerOutput | None
-    ) -> None:
-        """Advance the matchers of a resolved step's constrained sequences by their tokens, then
-        start filling the next step's bitmask (it runs while the loop records this step)."""
-        if self._masks is not None and self._masks[1] is not None:
-            self._masks[1].result()  # (one never used: no matcher moves while it fills)
+    ) -> tuple[list, GrammarWork] | None:
+        """Start, in the background, the matchers of a resolved step's constrained sequences
+        taking their tokens, then the fill of the next step's bitmask (while the loop records
+        this step). Returns what ``_grammars_followed`` needs, or None."""
+        if self._masks is not None:
+            self._masks[1].masks()  # (one never used: no matcher moves while it fills)
         self._masks = None
+        moving = []  # (request, sequence, matcher, token)
         for row, seq, _ in step.pending.slots:
             owner = self._seq_owner.get(seq.seq_id)
-            if owner is not None and owner[0].matchers is not None:
-                owner[0].follow_grammar(owner[1], seq, tokens[row], self.scheduler)
-        if next_out is not None:
-            self._masks = (next_out, self._start_masks(next_out.sampling_seqs))
+            # (finished: by a stop string, its grammar's end or its length; no token to take)
+            if owner is not None and owner[0].matchers is not None and not seq.is_finished:
+                matcher = owner[0].grammar_to_follow(owner[1], tokens[row])
+                if matcher is not None:
+                    moving.append((owner[0], seq, matcher, tokens[row]))
+        matchers, rows = self._mask_rows(next_out.sampling_seqs) if next_out else ([], [])
+        if not moving and not rows:
+            return None
+        work = self._token_masks.start(
+            [m[2] for m in moving], [m[3] for m in moving], matchers, rows
+        )
+        if rows:
+            self._masks = (next_out, work)
+        return moving, work
 
-    def _start_masks(self, seqs: list[Sequence]) -> Future | None:
+    def _grammars_followed(self, moving: list, work: GrammarWork) -> None:
+        """Once the matchers took the tokens: a grammar's end (a stop token it took) finishes
+        its sequence, ignore_eos or not (as a stop string does, after the scheduler's
+        resolve); a token it refused (the mask let it through: a bug) aborts it."""
+        for (request, seq, _, token), status in zip(moving, work.statuses_of_tokens()):
+            if status == REJECTED:
+                name = request.request_id
+                log.error("request %s: token %d sampled against its grammar", name, token)
+                self.scheduler.finish(seq.seq_id, FinishReason.ABORT)
+            elif status == ENDED and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+
+    def _mask_rows(self, seqs: list[Sequence]) -> tuple[list, list[int]]:
+        """The matchers of a step's rows that its grammar constrains, and those rows."""
         rows, matchers = [], []
         for row, seq in enumerate(seqs):
             owner = self._seq_owner.get(seq.seq_id)  # (gone: finished since, its row unused)
             if owner is not None and owner[0].matchers is not None and not seq.is_finished:
                 request, index = owner
-                matcher = request.matchers[index]
                 after = request.grammar_after
-                waiting = after is not None and after[index] is not None  # (still reasoning)
-                if not waiting and not matcher.is_terminated():
+                if after is None or after[index] is None:  # (not still reasoning)
                     rows.append(row)
-                    matchers.append(matcher)
-        return self._token_masks.start(matchers, rows) if rows else None
+                    matchers.append(request.matchers[index])
+        return matchers, rows
 
     def _grammar_masks(self, out: SchedulerOutput) -> tuple | None:
         """The bitmask of a step's rows with structured outputs (started while the step before
@@ -476,10 +511,15 @@ class LLMEngine:
         if not self._constrained:
             return None
         masks, self._masks = self._masks, None
-        pending = masks[1] if masks is not None and masks[0] is out else None
-        if pending is None:
-            pending = self._start_masks(out.sampling_seqs)
-        return self._token_masks.result(pending) if pending is not None else None
+        work = masks[1] if masks is not None and masks[0] is out else None
+        if work is None:
+            if masks is not None:
+                masks[1].masks()  # (one never used: no matcher moves while it fills)
+            matchers, rows = self._mask_rows(out.sampling_seqs)
+            if not rows:
+                return None
+            work = self._token_masks.start([], [], matchers, rows)
+        return self._token_masks.to_device(work.masks())
 
     def _touch(self, touched, seq: Sequence) -> tuple[Request, int]:
         request, index = self._seq_owner[seq.seq_id]

@@ -1,7 +1,9 @@
 """Sampling in one pass over the logits (Triton): the argmax of logits / temperature plus Gumbel
 noise is a draw from softmax(logits / temperature), so no softmax, no normalization and no
 noise tensor are needed. Philox noise is keyed by a per-row seed, so a row's draw does not
-depend on the rest of the batch. Greedy rows take the plain argmax; -inf logits are never drawn.
+depend on the rest of the batch. Greedy rows take the plain argmax; -inf logits are never drawn,
+nor the tokens a row's bitmask forbids (a structured output's grammar: read in the same pass,
+so the logits are neither copied to float32 nor masked in a pass of their own).
 
 The sampler uses it on CUDA for the rows without top-k, top-p or min-p (those need the whole
 sorted distribution).
@@ -28,11 +30,25 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _best_of(logits, start, vocab, inv_t, bits, QUARTER: tl.constexpr):
+    def _best_of(
+        logits,
+        start,
+        vocab,
+        inv_t,
+        bits,
+        words,
+        words_end,
+        QUARTER: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         """The best key and its token among columns start .. start + QUARTER, with Gumbel
-        noise from 32 random bits per column."""
+        noise from 32 random bits per column; with ``MASKED``, only the tokens whose bits are
+        set in the row's bitmask ``words`` (below ``words_end``: 0 for a row without one)."""
         cols = start + tl.arange(0, QUARTER)
         x = tl.load(logits + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        if MASKED:
+            word = tl.load(words + (cols >> 5), mask=cols < words_end, other=-1)
+            x = tl.where(((word >> (cols & 31)) & 1) != 0, x, float("-inf"))
         # u == 0 gives -inf noise, and that token loses: fine (probability 2^-24 per token).
         gumbel = -tl.log(-tl.log(tl.uint_to_uniform_float(bits)))
         key = tl.where(inv_t > 0, x * inv_t + gumbel, x)
@@ -50,22 +66,31 @@ if triton is not None:
         stride,
         inv_temperature,
         seeds,
+        bitmask,
+        mask_rows,
+        mask_stride,
         best_keys,
         best_ids,
         vocab,
         num_splits,
         BLOCK: tl.constexpr,
         TILES: tl.constexpr,
+        MASKED: tl.constexpr,
     ):
         """The best key and its token over one slice of a row's vocabulary. Philox gives four
         32-bit numbers per call, one for each quarter of a tile (the generator, not the
         memory, bounds this pass): a column's noise depends on its index alone, so on no
-        split."""
+        split. ``MASKED``: ``mask_rows`` gives each row's row of ``bitmask`` (-1: none)."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         inv_t = tl.load(inv_temperature + row)  # 0 marks a greedy row
         seed = tl.load(seeds + row)
         row_logits = logits + row * stride
+        words, words_end = bitmask, 0
+        if MASKED:
+            mask_row = tl.load(mask_rows + row)
+            words = bitmask + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
+            words_end = tl.where(mask_row >= 0, vocab, 0)
         best = tl.full((), float("-inf"), tl.float32)
         best_id = tl.full((), 0, tl.int32)
         quarter: tl.constexpr = BLOCK // 4
@@ -73,13 +98,21 @@ if triton is not None:
             start = (split * TILES + tile) * BLOCK
             r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, quarter))
             # In column order, strictly better only: the first best on a tie, as argmax.
-            key, token = _best_of(row_logits, start, vocab, inv_t, r0, quarter)
+            key, token = _best_of(
+                row_logits, start, vocab, inv_t, r0, words, words_end, quarter, MASKED
+            )
             best, best_id = _better(best, best_id, key, token)
-            key, token = _best_of(row_logits, start + quarter, vocab, inv_t, r1, quarter)
+            key, token = _best_of(
+                row_logits, start + quarter, vocab, inv_t, r1, words, words_end, quarter, MASKED
+            )
             best, best_id = _better(best, best_id, key, token)
-            key, token = _best_of(row_logits, start + 2 * quarter, vocab, inv_t, r2, quarter)
+            key, token = _best_of(
+                row_logits, start + 2 * quarter, vocab, inv_t, r2, words, words_end, quarter, MASKED
+            )
             best, best_id = _better(best, best_id, key, token)
-            key, token = _best_of(row_logits, start + 3 * quarter, vocab, inv_t, r3, quarter)
+            key, token = _best_of(
+                row_logits, start + 3 * quarter, vocab, inv_t, r3, words, words_end, quarter, MASKED
+            )
             best, best_id = _better(best, best_id, key, token)
         tl.store(best_keys + row * num_splits + split, best)
         tl.store(best_ids + row * num_splits + split, best_id)
@@ -96,15 +129,30 @@ if triton is not None:
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` [S, V] (any float dtype): a draw from
     softmax(logits * inv_temperature) keyed by ``seeds`` (int64 [S]), or the argmax where
-    ``inv_temperature`` is 0. Each row is split over several programs (a row alone is too
-    little work to keep the GPU busy), then the slices' winners are merged."""
+    ``inv_temperature`` is 0. With ``bitmask`` (int32 [R, ceil(V / 32)], xgrammar's layout)
+    and ``mask_rows`` (int32 [S]: the row of ``bitmask`` of each row, -1 for none), a row
+    draws only among the tokens whose bits are set. Each row is split over several programs
+    (a row alone is too little work to keep the GPU busy), then the slices' winners are
+    merged."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("the logits' last dimension must be contiguous")
+    masked = bitmask is not None
+    if masked and (
+        mask_rows is None
+        or bitmask.dtype != torch.int32
+        or bitmask.stride(1) != 1
+        or bitmask.shape[1] * 32 < vocab
+    ):
+        raise ValueError("the bitmask must be int32 [R, ceil(V / 32)] with its mask_rows")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         splits = triton.cdiv(vocab, _BLOCK * _TILES)
@@ -115,12 +163,16 @@ def gumbel_argmax(
             logits.stride(0),
             inv_temperature,
             seeds,
+            bitmask if masked else seeds,  # (unread without MASKED)
+            mask_rows if masked else seeds,
+            bitmask.stride(0) if masked else 0,
             keys,
             ids,
             vocab,
             splits,
             BLOCK=_BLOCK,
             TILES=_TILES,
+            MASKED=masked,
         )
         _gumbel_merge_kernel[(rows,)](keys, ids, out, splits, SPLITS=triton.next_power_of_2(splits))
     return out

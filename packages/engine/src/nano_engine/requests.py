@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,6 @@ from nano_engine.structured import GrammarCompiler
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig
 from nano_scheduler import FinishReason, SamplingParams, Scheduler, Sequence
-
-log = logging.getLogger("nano_engine")
 
 
 @dataclass
@@ -101,22 +98,15 @@ class Request:
                 scheduler.finish(seq.seq_id, FinishReason.STOP)
             self.stop_reasons[index] = detok.stop_reason
 
-    def follow_grammar(self, index: int, seq: Sequence, token: int, scheduler: Scheduler) -> None:
-        """Advance sequence ``index``'s matcher by its sampled token; the grammar's end (a stop
-        token it accepted) finishes the sequence, ignore_eos or not."""
+    def grammar_to_follow(self, index: int, token: int) -> object | None:
+        """The matcher that sequence ``index``'s sampled token moves (the sequence is not
+        finished), or None while the grammar does not apply yet: the token is still the
+        model's reasoning (whose end starts the grammar)."""
         if self.grammar_after is not None and self.grammar_after[index] is not None:
             if token == self.grammar_after[index]:
                 self.grammar_after[index] = None  # the reasoning ended: the grammar applies
-            return
-        matcher = self.matchers[index]
-        if matcher.is_terminated():
-            return
-        if not matcher.accept_token(token):  # (the mask lets only allowed tokens through)
-            log.error("request %s: token %d sampled against its grammar", self.request_id, token)
-            scheduler.finish(seq.seq_id, FinishReason.ABORT)
-            return
-        if matcher.is_terminated() and not seq.is_finished:
-            scheduler.finish(seq.seq_id, FinishReason.STOP)
+            return None
+        return self.matchers[index]
 
     def output(self, indices, now: float) -> RequestOutput | None:
         """What is new in these sequences (None: nothing to send yet)."""

@@ -10,7 +10,8 @@ the batch. Log-probabilities are those of the model's raw distribution.
 On CUDA the rows without top-k, top-p or min-p take one fused pass instead (nano_engine.gumbel:
 the argmax of logits / temperature plus Gumbel noise keyed by a per-row seed, the same
 distribution); a seeded row's seed is mixed with its number of output tokens, so it still draws
-the same tokens in any batch.
+the same tokens in any batch. When nothing else needs the logits in float32, a grammar's bitmask
+is read by that pass too.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from nano_scheduler import SamplingParams, Sequence
 class SamplingBatch:
     """The per-row parameters of one step, on the device."""
 
-    temperature: torch.Tensor  # [S] float32, 1 for greedy rows
-    greedy: torch.Tensor  # [S] bool
+    temperature: torch.Tensor | None  # [S] float32, 1 for greedy rows (None: fused pass only)
+    greedy: torch.Tensor | None  # [S] bool (None: fused pass only)
     top_k: torch.Tensor | None  # [S] int64, vocab size where off
     top_p: torch.Tensor | None  # [S] float32
     min_p: torch.Tensor | None  # [S] float32
@@ -54,6 +55,7 @@ class SamplingBatch:
     seeds: torch.Tensor | None = None
     filtered: torch.Tensor | None = None
     num_filtered: int = 0
+    mask_rows: torch.Tensor | None = None  # [S] int32: each row's row of the bitmask, -1: none
 
 
 class FusedRows(NamedTuple):
@@ -77,10 +79,10 @@ class Sampler:
             self._staging = PinnedStaging(device)
         self._hosts = _HostTokens() if device.type == "cuda" else None
 
-    def fused_rows(self, seqs: list[Sequence]) -> FusedRows | None:
+    def fused_rows(self, seqs: list[Sequence], grammar: bool = False) -> FusedRows | None:
         """The rows' fused-pass inputs, or None when some row needs more than the fused pass
-        (top-k, top-p, min-p, logprobs, penalties, a min_tokens mask, a grammar) or there is no
-        fused pass.
+        (top-k, top-p, min-p, logprobs, penalties, a min_tokens mask, a grammar unless
+        ``grammar``: its bitmask is at hand) or there is no fused pass.
         Draws the same seeds as ``prepare`` would."""
         if not self.fused:
             return None
@@ -93,7 +95,7 @@ class Sampler:
                 or p.presence_penalty
                 or p.frequency_penalty
                 or (seq.num_output_tokens < p.min_tokens and seq.stop_token_ids)
-                or p.structured_outputs is not None
+                or (p.structured_outputs is not None and not grammar)
                 or p.logit_bias
                 or p.allowed_token_ids
                 or p.bad_words
@@ -115,8 +117,8 @@ class Sampler:
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the fused pass for logits [S, vocab] in the model's dtype and in float32
-        (logprobs, penalties and min_tokens make them float32) at start-up, not at the first
-        sampled request."""
+        (logprobs, penalties and min_tokens make them float32), and with a bitmask, at
+        start-up, not at the first sampled request."""
         if not self.fused:
             return
         inv_temperature = torch.ones(1, device=self.device)
@@ -124,10 +126,47 @@ class Sampler:
         for d in {dtype, torch.float32}:
             logits = torch.zeros(1, self.vocab_size, dtype=d, device=self.device)
             gumbel.gumbel_argmax(logits, inv_temperature, seeds)
+        # and with a grammar's bitmask (``prepare_fused``: the model's dtype)
+        dev, width = self.device, -(-self.vocab_size // 32)
+        words = torch.full((1, width), -1, dtype=torch.int32, device=dev)
+        rows = torch.zeros(1, dtype=torch.int32, device=dev)
+        gumbel.gumbel_argmax(logits.to(dtype), inv_temperature, seeds, words, rows)
 
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's generator."""
         self._generators.pop(seq_id, None)
+
+    def prepare_fused(
+        self, rows: FusedRows, grammar: tuple[torch.Tensor, list[int]]
+    ) -> SamplingBatch:
+        """The batch of rows that all take the fused pass (``fused_rows(seqs, grammar=True)``)
+        with a grammar's bitmask (``prepare``'s ``grammar``): seeds, 1 / temperature and each
+        row's row of the bitmask, in one copy to the device."""
+        n = len(rows.seeds)
+        mask_rows = array("i", [-1]) * n
+        for i, row in enumerate(grammar[1]):
+            mask_rows[row] = i
+        staged = array("i", array("q", rows.seeds).tobytes())
+        staged.frombytes(array("f", rows.inv_temperature).tobytes())
+        staged.extend(mask_rows)
+        if self._staging is not None:
+            packed = self._staging.copy(staged)
+        else:
+            packed = torch.frombuffer(staged, dtype=torch.int32).to(self.device)
+        return SamplingBatch(
+            temperature=None,
+            greedy=None,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            all_greedy=False,
+            any_greedy=False,
+            logprobs=[None] * n,
+            grammar=grammar,
+            inv_temperature=packed[2 * n : 3 * n].view(torch.float32),
+            seeds=packed[: 2 * n].view(torch.int64),
+            mask_rows=packed[3 * n :],
+        )
 
     def prepare(
         self,
@@ -136,7 +175,7 @@ class Sampler:
         banned: list[tuple[int, list[int]]] | None = None,
     ) -> SamplingBatch:
         """The step's per-row parameters; ``grammar``: the bitmask of the rows with structured
-        outputs (``TokenMasks.result``); ``banned``: (row, token ids) the rows may not take
+        outputs (``TokenMasks.to_device``); ``banned``: (row, token ids) the rows may not take
         (bad words)."""
         params: list[SamplingParams] = [s.params for s in seqs]
         vocab = self.vocab_size
@@ -166,6 +205,11 @@ class Sampler:
             rows.append([0.0 if g else 1 / p.temperature for p, g in zip(params, greedy)])
             rows.append([float(self._seed(seq)) for seq in seqs])
             rows.append([float(f) for f in filtered])
+            if grammar is not None:
+                mask_rows = [-1.0] * len(seqs)
+                for i, row in enumerate(grammar[1]):
+                    mask_rows[row] = float(i)
+                rows.append(mask_rows)
         if self._staging is not None:  # pinned: no wait for the step the device is running
             flat = array("d")
             for row in rows:
@@ -190,6 +234,8 @@ class Sampler:
             batch.seeds = next(packed).long()
             batch.filtered = next(packed) > 0
             batch.num_filtered = sum(filtered)
+            if grammar is not None:
+                batch.mask_rows = next(packed).int()
         dev = self.device
         constrained = set(grammar[1]) if grammar is not None else ()
         for row, (seq, p) in enumerate(zip(seqs, params)):
@@ -250,15 +296,18 @@ class Sampler:
         """Draw a token per row of logits [S, V] on the device; ``result()`` brings them over."""
         want_logprobs = any(k is not None for k in batch.logprobs)
         fused_only = batch.seeds is not None and batch.num_filtered == 0
-        if (
+        in_float = (
             not fused_only
             or want_logprobs
             or batch.masks
             or batch.penalties is not None
-            or batch.grammar is not None
             or batch.biases
             or batch.allowed
-        ):
+        )
+        # A grammar's bitmask: applied to the float32 logits, or read by the fused pass itself.
+        grammar = batch.grammar if in_float else None
+        in_pass = () if in_float or batch.grammar is None else (batch.grammar[0], batch.mask_rows)
+        if in_float:
             logits = logits.float()  # the fused pass reads the model's dtype as it is
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for row, ids, values in batch.biases:
@@ -269,14 +318,14 @@ class Sampler:
             logits[row, ids] = kept
         for row, ids in batch.masks:
             logits[row, ids] = float("-inf")
-        if batch.grammar is not None:
+        if grammar is not None:
             from nano_engine.structured import apply_masks
 
-            apply_masks(logits, batch.grammar)
+            apply_masks(logits, grammar)
         if batch.penalties is not None:
             logits = self._penalize(logits, batch)
         if fused_only:
-            tokens = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds)
+            tokens = gumbel.gumbel_argmax(logits, batch.inv_temperature, batch.seeds, *in_pass)
         else:
             tokens = self._torch_sample(logits, batch)
             if batch.seeds is not None:  # some rows have filters: the rest take the fused pass

@@ -7,6 +7,7 @@ first constrained request comes."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,10 @@ _LOCATION = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")  # xgrammar's "[time] fi
 
 # the compiled grammars xgrammar keeps for reuse (as vLLM's default)
 CACHE_LIMIT_BYTES = 512 << 20
+# xgrammar's threads for a bitmask (it starts them for each fill): on the H200 host (16 cores),
+# 64 sequences inside JSON strings, 4 gave the best constrained decoding of 4, 8 (its default,
+# half the cores) and 12 (benchmarks/RESULTS.md, issue 21); more threads slowed the loop beside.
+FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class StructuredOutputsUnavailable(ValueError):
@@ -118,39 +123,103 @@ def _ebnf_string(text: str) -> str:
     return '"' + "".join(escaped) + '"'
 
 
-class TokenMasks:
-    """The bitmask of a step's constrained rows, filled on the host by xgrammar's threads (the
-    GIL released) in the background, while the loop records the step before; ``result``
-    copies it to the device (from a reused pinned buffer on CUDA: the copy of the step before
-    was done once its tokens were read, which comes before the next fill starts)."""
+REJECTED, ACCEPTED, ENDED = 0, 1, 2  # what a matcher did with its token (ENDED: took a stop)
 
-    def __init__(self, device: torch.device, vocab_size: int) -> None:
+
+class GrammarWork:
+    """One step's grammar work, running in the background: the matchers take the step's
+    tokens, then the bitmask of the next step's constrained rows fills (xgrammar's threads,
+    the GIL released)."""
+
+    def __init__(self) -> None:
+        self.future: Future | None = None
+        self.statuses: list[int] | None = None  # per matcher that took a token
+        self.running = threading.Event()  # the work holds the GIL or is in xgrammar
+        self.accepted = threading.Event()  # the tokens are taken (or the work failed)
+
+    def statuses_of_tokens(self) -> list[int]:
+        """REJECTED, ACCEPTED or ENDED per token, once taken (the bitmask may still fill)."""
+        self.accepted.wait()
+        if self.statuses is None:
+            self.future.result()  # (raises what failed)
+        return self.statuses
+
+    def masks(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The next step's (bitmask [R, ceil(V / 32)] int32 on the host, its logits rows), or
+        None when no row is constrained."""
+        return self.future.result()
+
+
+class TokenMasks:
+    """Runs each step's ``GrammarWork`` on a thread of its own, while the loop records the
+    step; ``to_device`` copies a bitmask to the device (from a reused pinned buffer on CUDA:
+    the copy of the step before was done once its tokens were read, which comes before the
+    next fill starts)."""
+
+    def __init__(self, device: torch.device, vocab_size: int, stop_token_ids) -> None:
         self.device, self.vocab_size = device, vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)  # (taking one ends a grammar)
         self._host: torch.Tensor | None = None
         self._batch = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nano-engine-grammar")
 
-    def start(self, matchers: list, rows: list[int]) -> Future:
-        """Fill, in the background, the tokens each matcher allows next (for the logits rows
-        ``rows``); no matcher may change until ``result``."""
+    def start(
+        self, moving: list, tokens: list[int], matchers: list, rows: list[int]
+    ) -> GrammarWork:
+        """In the background: each of ``moving`` takes its token, then the bitmask of what
+        each of ``matchers`` (those of the next step's logits rows ``rows``) allows next
+        fills, without those the tokens ended. No matcher may be used elsewhere until the
+        work is done. Returns once the work runs: the thread needs the GIL to start, and a
+        loop busy in Python would hold it for up to the interpreter's switch interval (5 ms)
+        before handing it over; the same holds between the two parts of the work, so the
+        loop waits for ``statuses_of_tokens`` before it goes on in Python for long."""
         if self._batch is None:
-            self._batch = _xgrammar().BatchGrammarMatcher()
-        words = -(-self.vocab_size // 32)
-        if self._host is None or self._host.shape[0] < len(rows):
-            size = max(len(rows), 64)
-            pin = self.device.type == "cuda"
-            self._host = torch.empty((size, words), dtype=torch.int32, pin_memory=pin)
-        host = self._host[: len(rows)]
+            self._batch = _xgrammar().BatchGrammarMatcher(FILL_THREADS)
+        work = GrammarWork()
+        accept = self._batch.batch_accept_token
         fill = self._batch.batch_fill_next_token_bitmask
-        return self._pool.submit(lambda: (fill(matchers, host), (host, rows))[1])
 
-    def result(self, pending: Future) -> tuple[torch.Tensor, list[int]]:
-        """(bitmask [R, ceil(V / 32)] int32 on the device, rows) of a ``start``."""
-        host, rows = pending.result()
+        def run():
+            try:
+                work.running.set()
+                taken = accept(moving, tokens) if moving else []
+                stops = self.stop_token_ids
+                work.statuses = [
+                    REJECTED if not ok else ENDED if t in stops and m.is_terminated() else ACCEPTED
+                    for m, t, ok in zip(moving, tokens, taken)
+                ]
+                ended = {id(m) for m, status in zip(moving, work.statuses) if status == ENDED}
+                kept = [(m, r) for m, r in zip(matchers, rows) if id(m) not in ended]
+                host = self._buffer(len(kept))
+            finally:
+                work.accepted.set()
+            if not kept:
+                return None
+            fill([m for m, _ in kept], host)  # (the loop goes on once this releases the GIL)
+            return host, [r for _, r in kept]
+
+        work.future = self._pool.submit(run)
+        work.running.wait()
+        return work
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        words = -(-self.vocab_size // 32)
+        if self._host is None or self._host.shape[0] < rows:
+            pin = self.device.type == "cuda"
+            self._host = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=pin)
+        return self._host[:rows]
+
+    def to_device(
+        self, masks: tuple[torch.Tensor, list[int]] | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """(bitmask on the device, rows) of ``GrammarWork.masks``."""
+        if masks is None:
+            return None
+        host, rows = masks
         return host.to(self.device, non_blocking=True), rows
 
     def close(self) -> None:
-        """Stop the fill thread (at the engine's shutdown)."""
+        """Stop the grammar thread (at the engine's shutdown)."""
         self._pool.shutdown(wait=True)
 
 
