@@ -116,7 +116,10 @@ class EngineOption:
 
 ENGINE_OPTIONS: dict[str, EngineOption] = {
     "tokenizer": EngineOption(
-        ("--tokenizer",), "tokenizer directory (default: the model's)", str, metavar="DIR"
+        ("--tokenizer",),
+        "tokenizer directory or Hugging Face hub id (default: the model's)",
+        str,
+        metavar="DIR",
     ),
     "skip_tokenizer_init": EngineOption(
         ("--skip-tokenizer-init",),
@@ -190,6 +193,12 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "max_logprobs": EngineOption(
         ("--max-logprobs",), "the most logprobs a request may ask for", _non_negative
+    ),
+    "revision": EngineOption(
+        ("--revision",),
+        "the branch, tag or commit of a model given as a Hugging Face hub id (default: main)",
+        str,
+        metavar="REV",
     ),
     "reasoning_parser": EngineOption(
         ("--reasoning-parser",),
@@ -301,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     gen = command("generate", "complete prompts")
-    gen.add_argument("model", help="checkpoint directory")
+    gen.add_argument("model", help="checkpoint directory or Hugging Face hub id (ORG/NAME)")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", type=Path, help="a file of prompts, one per line")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -310,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "nano-vllm's throughput benchmark")
     bench.add_argument(
-        "model", help="checkpoint directory, or a config.json with --load-format dummy"
+        "model",
+        help="checkpoint directory or Hugging Face hub id (ORG/NAME), or a config.json with "
+        "--load-format dummy",
     )
     bench.add_argument("--num-seqs", type=_positive, default=256, help="requests in the workload")
     bench.add_argument(
@@ -343,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(bench)
 
     srv = command("serve", "an OpenAI-compatible HTTP server")
-    srv.add_argument("model", help="checkpoint directory")
+    srv.add_argument("model", help="checkpoint directory or Hugging Face hub id (ORG/NAME)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind")
     srv.add_argument("--port", type=_port, default=8000, help="port to bind, 1-65535")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -434,7 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
         "loop's host time offline and through the server",
     )
     prof.add_argument(
-        "model", help="checkpoint directory, or a config.json with --load-format dummy"
+        "model",
+        help="checkpoint directory or Hugging Face hub id (ORG/NAME), or a config.json with "
+        "--load-format dummy",
     )
     prof.add_argument("--out", type=Path, required=True, help="the profile (JSON) to write")
     prof.add_argument(

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from nano_engine import hub
 from nano_engine.reasoning import PARSERS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -19,7 +20,10 @@ class EngineConfig:
     """Everything ``LLM(model, **config)`` accepts; an unknown keyword is an error.
 
     model: a local Hugging Face checkpoint directory (with load_format "dummy", its config.json
-    alone, or the path of that file). tokenizer: default the model directory. max_model_len:
+    alone, or the path of that file), or a hub id ("Qwen/Qwen3-0.6B": fetched into the Hugging
+    Face cache, or found there offline; ``nano_engine.hub``) at ``revision`` (by
+    ``from_kwargs``, which then holds the snapshot's directory). tokenizer: default the model's
+    (a directory or a hub id). max_model_len:
     default and cap the model's max_position_embeddings. KV cache: on CUDA, sized from
     gpu_memory_utilization after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb
     (default 1); num_kvcache_blocks overrides both. async_scheduling: schedule and launch each
@@ -52,6 +56,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     max_logprobs: int = 20
     reasoning_parser: str | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -61,7 +66,10 @@ class EngineConfig:
     def _errors(self):
         path = Path(self.model)
         if not path.exists():
-            yield f"model {self.model!r} does not exist (a local checkpoint directory is needed)"
+            yield (
+                f"model {self.model!r} does not exist (a local checkpoint directory, or a "
+                "Hugging Face hub id such as Qwen/Qwen3-0.6B)"
+            )
         elif path.is_dir() and not (path / "config.json").is_file():
             yield f"model directory {self.model!r} has no config.json"
         elif path.is_file() and self.load_format != "dummy":
@@ -100,6 +108,8 @@ class EngineConfig:
             or self.max_logprobs < 0
         ):
             yield f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}"
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            yield f"revision must be a non-empty string or None, got {self.revision!r}"
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             yield (
                 f"reasoning_parser must be one of {sorted(PARSERS)} or None, got "
@@ -114,7 +124,13 @@ class EngineConfig:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        return cls(model=str(model), **kwargs)
+        # (a hub id becomes its snapshot's directory here: what the engine reads, and what
+        # an engine started in another process is given, without the revision)
+        kind = "config" if kwargs.get("load_format") == "dummy" else "model"
+        model = hub.resolve(str(model), kwargs.pop("revision", None), kind)
+        if isinstance(kwargs.get("tokenizer"), str):
+            kwargs["tokenizer"] = hub.resolve(kwargs["tokenizer"], kind="tokenizer")
+        return cls(model=model, **kwargs)
 
     @property
     def use_async_scheduling(self) -> bool:
