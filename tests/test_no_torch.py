@@ -10,7 +10,7 @@ import importlib.abc, sys
 class NoTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)  # (as if absent)
 
 sys.meta_path.insert(0, NoTorch())
 """
@@ -42,8 +42,8 @@ assert bm.num_free_blocks == 8
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 try:
     import nano_kvcache.ops
-except ImportError:
-    pass
+except ImportError as e:
+    assert "pip install 'nano-kvcache[torch]'" in str(e), e  # (what to do, not a bare error)
 else:
     raise AssertionError("ops imported without torch")
 print("ok")

@@ -3,6 +3,7 @@ raised before anything runs; the engine keeps serving."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tracemalloc
 
@@ -104,3 +105,25 @@ def test_logprobs_are_stored_compactly():
     assert per_token < 600, per_token
     assert kept[3].top == [(21 + k, pytest.approx(-0.5 * k - 0.1)) for k in range(20)]
     assert Logprob.of(1, -0.5, [2, 3], [-1.0, -2.0]) == Logprob(1, -0.5, [(2, -1.0), (3, -2.0)])
+
+
+@pytest.mark.parametrize(
+    "options,advice",
+    [
+        ({"kv_cache_memory_gb": 1e-6}, r"raise kv_cache_memory_gb \(--kv-cache-memory-gb"),
+        ({"num_kvcache_blocks": 1}, r"raise num_kvcache_blocks \(--num-kvcache-blocks\)"),
+    ],
+)
+def test_a_kv_cache_too_small_says_what_to_change_on_this_device(checkpoints, options, advice):
+    with pytest.raises(ValueError, match=r"fewer than one sequence of max_model_len 128") as e:
+        LLM(checkpoints("qwen3"), max_model_len=128, device="cpu", **options)
+    assert re.search(advice, str(e.value)) and "gpu_memory_utilization" not in str(e.value)
+
+
+def test_attention_backends_are_checked_by_name():
+    from nano_engine.config import ATTENTION_BACKENDS, EngineConfig
+    from nano_models.layers.attention import BACKEND_NAMES
+
+    assert ATTENTION_BACKENDS == BACKEND_NAMES  # (the engine's copy of the names)
+    with pytest.raises(ValueError, match=r"attention_backend must be one of .*'flash_attn'"):
+        EngineConfig.from_kwargs(__file__, load_format="dummy", attention_backend="flash")

@@ -279,7 +279,11 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
             400,
             "chat template failed: unknown role robot",
         ),
-        (post(server, "/v1/completions", content=b'{"model": "x", "prompt": '), 400, "invalid"),
+        (
+            post(server, "/v1/completions", content=b'{"model": "x", "prompt": '),
+            400,
+            r"^the body is not valid JSON: .+ \(at \d+\)$",
+        ),
         (post(server, "/v1/completions", {"model": name}), 400, "prompt"),
         (post(server, "/v1/chat/completions", {"model": name, "messages": []}), 400, "messages"),
         (post(server, "/v1/completions", {**good, "prompt": [1, 10**6]}), 400, "vocabulary"),
@@ -295,6 +299,9 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         import re
 
         assert re.search(message, error["message"]), error["message"]
+        assert "Value error" not in error["message"]  # (pydantic's prefix)
+        if "JSON" in message:
+            assert error["param"] is None  # (not the offset of the character)
         ok = post(server, "/v1/completions", good)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
     assert post(server, "/health", good).headers["allow"] == "GET"

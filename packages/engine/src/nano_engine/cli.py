@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from nano_engine._version import __version__
-from nano_engine.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from nano_engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
 from nano_engine.reasoning import PARSERS as REASONING_PARSERS
 from nano_engine.tool_calls import FORMATS as TOOL_FORMATS
 from nano_scheduler.config import POLICIES
@@ -182,9 +182,9 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     ),
     "attention_backend": EngineOption(
         ("--attention-backend",),
-        "auto (flash_attn, else triton on CUDA, else torch), or a backend's name",
+        "auto: flash_attn (where it imports and fits), else triton on CUDA, else torch",
         str,
-        metavar="NAME",
+        ATTENTION_BACKENDS,
     ),
     "device": EngineOption(("--device",), "auto: CUDA when available", str, DEVICES),
     "async_scheduling": EngineOption(

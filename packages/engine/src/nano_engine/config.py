@@ -13,6 +13,9 @@ from nano_engine.reasoning import PARSERS
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
+# nano_models' attention backends (its BACKEND_NAMES; named here so that the command line's
+# help does not import torch)
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
+            ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 yield f"{name} must be one of {allowed}, got {getattr(self, name)!r}"

@@ -236,10 +236,16 @@ class ModelRunner:
             blocks = int(count.item())
         needed = -(-self.max_model_len // self.block_size)
         if blocks < needed:
+            if cfg.num_kvcache_blocks is not None:
+                more = "num_kvcache_blocks (--num-kvcache-blocks)"
+            elif self.device.type == "cuda":
+                more = "gpu_memory_utilization (--gpu-memory-utilization)"
+            else:
+                more = "kv_cache_memory_gb (--kv-cache-memory-gb; default 1 on the CPU)"
             raise ValueError(
                 f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
                 f"sequence of max_model_len {self.max_model_len} needs ({needed}); raise "
-                "gpu_memory_utilization or kv_cache_memory_gb, or lower max_model_len"
+                f"{more}, or lower max_model_len (--max-model-len)"
             )
         return blocks
 

@@ -134,10 +134,13 @@ class Server:
             if isinstance(cause, FieldError):
                 param = f"{where}.{cause.param}" if where else cause.param
                 return error_response(400, str(cause), param=param)
+            if first.get("type") == "json_invalid":  # (its loc is a character offset)
+                reason = first.get("ctx", {}).get("error", first.get("msg", ""))
+                return error_response(400, f"the body is not valid JSON: {reason} (at {where})")
+            # (a validator's ValueError: its own words, without pydantic's "Value error, ")
+            message = str(cause) if isinstance(cause, Exception) else first.get("msg", str(e))
             return error_response(
-                400,
-                f"invalid request: {first.get('msg', e)}" + (f" ({where})" if where else ""),
-                param=where,
+                400, f"invalid request: {message}" + (f" ({where})" if where else ""), param=where
             )
 
         @app.exception_handler(Exception)

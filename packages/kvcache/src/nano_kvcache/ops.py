@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "nano_kvcache.ops needs torch (the block manager does not): "
+        "pip install 'nano-kvcache[torch]'",
+        name="torch",
+    ) from None
 
 from nano_kvcache import __version__
 from nano_kvcache.layout import supported_dtypes

@@ -18,6 +18,12 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens, max_model_len, or a KV pool too small to go on
     ABORT = "abort"
 
+    def __str__(self) -> str:  # "stop", as vLLM's finish_reason prints (not FinishReason.STOP)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 class Sequence:
     """A request moving WAITING -> RUNNING -> FINISHED (back to WAITING when preempted).

@@ -55,6 +55,8 @@ _OPTIONAL = {
     "triton": "nano_models.layers.triton_attention",
     "flash_attn": "nano_models.layers.flash_attention",
 }
+# every name a configuration may give ("auto": choose_attention_backend picks)
+BACKEND_NAMES = ("auto", "torch", *_OPTIONAL)
 
 
 def _load_optional(name: str) -> bool:
