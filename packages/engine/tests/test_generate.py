@@ -1,7 +1,7 @@
 """Greedy outputs of LLM.generate equal transformers' generate, token for token, on tiny random
-Qwen3, Qwen2 and Llama checkpoints: with prefix caching on and off, with chunked prefill forced
-by a small token budget, with a KV pool so small that sequences are preempted, and without
-async scheduling (each step's tokens read before the next step is scheduled)."""
+Qwen3, Qwen2, Llama and Qwen3-MoE checkpoints: with prefix caching on and off, with chunked
+prefill forced by a small token budget, with a KV pool so small that sequences are preempted,
+and without async scheduling (each step's tokens read before the next step is scheduled)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama", "qwen3_moe"])
 def reference(request, checkpoints):
     path = checkpoints(request.param)
     return path, hf_greedy(path, sample_prompts())

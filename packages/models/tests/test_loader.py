@@ -187,3 +187,35 @@ def test_missing_config_and_sliding_window(checkpoint, tmp_path):
     )
     with pytest.raises(ValueError, match="sliding-window attention"):
         load_model(path)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("moe"), "qwen3_moe", tokenizer=False)
+
+
+def test_a_mixture_of_experts_names_a_missing_expert_and_a_wrong_expert_count(
+    moe_checkpoint, tmp_path
+):
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    edited = copy_with(moe_checkpoint, tmp_path / "a", lambda t: t.pop(expert))
+    with pytest.raises(ValueError, match=rf"missing from the checkpoint: \['{expert}'\]"):
+        load_model(edited)
+    # the config says 3 experts, the checkpoint holds 4 per layer
+    fewer = copy_with(
+        moe_checkpoint, tmp_path / "b", edit_config=lambda c: c.update(num_local_experts=3)
+    )
+    with pytest.raises(
+        ValueError, match=r"experts\.3\.\w+_proj\.weight: expert 3 of a layer with 3"
+    ):
+        load_model(fewer)
+    more = copy_with(
+        moe_checkpoint, tmp_path / "c", edit_config=lambda c: c.update(num_local_experts=5)
+    )
+    with pytest.raises(ValueError, match=r"mlp\.gate\.weight has shape \(4, 64\).* \(5, 64\)"):
+        load_model(more)
+    broken = copy_with(
+        moe_checkpoint, tmp_path / "d", edit_config=lambda c: c.pop("moe_intermediate_size")
+    )
+    with pytest.raises(ValueError, match=r"needs \['moe_intermediate_size'\]"):
+        load_model(broken)

@@ -1,5 +1,6 @@
-"""Our Qwen3, Qwen2 and Llama against transformers on tiny random checkpoints, in fp32, through
-a paged KV cache: a batched prefill of prompts of different lengths, then 16 decode steps."""
+"""Our Qwen3, Qwen3-MoE, Qwen2 and Llama against transformers on tiny random checkpoints, in
+fp32, through a paged KV cache: a batched prefill of prompts of different lengths, then 16
+decode steps."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ CASES = {
     "llama-tied-plain-head-dim-llama3-rope": (
         "llama",
         {"head_dim": 16, "tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE},
+    ),
+    # mixtures of experts: top-2 of 4 with a dense layer between; top-4 of 6, renormalized
+    "qwen3-moe-top2-dense-layer": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen3-moe-top4-norm-topk": (
+        "qwen3_moe",
+        {"num_experts": 6, "num_experts_per_tok": 4, "norm_topk_prob": True},
     ),
 }
 

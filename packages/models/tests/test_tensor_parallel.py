@@ -71,6 +71,8 @@ def test_tp2_equals_tp1_and_reads_only_its_shards(tmp_path):
         build_checkpoint(
             tmp_path / "mqa", "llama", tokenizer=False, num_key_value_heads=1, attention_bias=True
         ),
+        # experts split along their intermediate dimension, one all-reduce per layer
+        build_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False, mlp_only_layers=[1]),
     ]
     mp.spawn(
         worker,
@@ -94,5 +96,5 @@ def test_tp2_equals_tp1_and_reads_only_its_shards(tmp_path):
                 qkv = ranks[r][i]["qkv"]
                 assert torch.equal(qkv[:64], full_qkv[64 * r : 64 * r + 64])
                 assert torch.equal(qkv[64:96], full_qkv[128 + 32 * r : 160 + 32 * r])
-        else:
+        elif i == 1:
             assert [ranks[r][i]["kv_head_start"] for r in range(2)] == [0, 0]

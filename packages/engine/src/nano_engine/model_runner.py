@@ -162,7 +162,11 @@ class ModelRunner:
             report.bytes_read / 1e9,
             time.perf_counter() - start,
         )
-        if device.type == "cuda" and not config.enforce_eager:
+        # (a model whose shapes follow its data, as the torch experts of a mixture, runs eagerly)
+        self.eager = config.enforce_eager or not getattr(self.model, "supports_cuda_graphs", True)
+        if self.eager and not config.enforce_eager:
+            log.info("%s runs without CUDA graphs", model_config.architecture)
+        if device.type == "cuda" and not self.eager:
             compile_layers(self.model)
         backend = choose_attention_backend(
             config.attention_backend, device, self.block_size, self.dtype
@@ -207,7 +211,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         config, device = self.config, self.device
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not self.eager:
             if self.backend.supports_cuda_graphs:
                 draw = self.tp.rank == 0 and gumbel.available(device)  # (workers get rank 0's)
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, self.staging, sample=draw)
@@ -285,7 +289,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         graph_reserve = 0
-        if not cfg.enforce_eager:
+        if not self.eager:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             batch = min(cfg.max_num_seqs, len(tables))
@@ -348,11 +352,7 @@ class ModelRunner:
     @property
     def piecewise(self) -> bool:
         """Whether steps with attention outside a graph run as piecewise CUDA graphs."""
-        return (
-            self.device.type == "cuda"
-            and not self.config.enforce_eager
-            and hasattr(self.model, "piece")
-        )
+        return self.device.type == "cuda" and not self.eager and hasattr(self.model, "piece")
 
     # ---- a step ------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""nano-models: Qwen3, Qwen2 and Llama for a paged KV cache, with tensor-parallel layers and
-safetensors loading."""
+"""nano-models: Qwen3, Qwen3-MoE, Qwen2 and Llama for a paged KV cache, with tensor-parallel
+layers and safetensors loading."""
 
 from nano_models._version import __version__
 from nano_models.config import ModelConfig

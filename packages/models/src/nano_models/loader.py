@@ -107,7 +107,10 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    expected = {name: _shards(name, mapping) for name in params}
+    # (a model may map some tensors itself: a mixture of experts, expert by expert)
+    own_target = getattr(model, "checkpoint_target", lambda name: None)
+    own_shards = getattr(model, "param_shards", lambda name: None)
+    expected = {name: own_shards(name) or _shards(name, mapping) for name in params}
     if tied:
         expected.pop("lm_head.weight", None)
     loaded: dict[str, set] = {name: set() for name in expected}
@@ -120,7 +123,7 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = _target(name, mapping)
+                target, shard = own_target(name) or _target(name, mapping)
                 if target not in loaded:
                     unexpected.append(name)
                     continue
@@ -137,14 +140,17 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
                 param = params[target]
                 if param.is_floating_point() and not source.dtype.is_floating_point:
                     raise ValueError(f"tensor {name} is {source.dtype}, not floating point")
+                if shard in loaded[target]:
+                    raise ValueError(f"tensor {name} loads {target} {shard} a second time")
                 getattr(param, "weight_loader", default_weight_loader)(param, source, shard)
                 loaded[target].add(shard)
                 report.tensors += 1
                 report.bytes_read += source.bytes_read
     if unexpected:
         raise ValueError(f"unexpected tensors in the checkpoint: {sorted(unexpected)}")
+    own_name = getattr(model, "checkpoint_name", lambda name, shard: None)
     missing = sorted(
-        f"{name}[{shard}]" if shard is not None else name
+        own_name(name, shard) or (f"{name}[{shard}]" if shard is not None else name)
         for name, shards in expected.items()
         for shard in shards - loaded[name]
     )

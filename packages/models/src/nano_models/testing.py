@@ -38,7 +38,10 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+# what a mixture of experts adds to TINY (overridable as the rest)
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 TINY = {
     "vocab_size": TOKENIZER_VOCAB + 16,
@@ -98,7 +101,8 @@ def build_checkpoint(
     config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[architecture])
     tokenizer_obj = build_tokenizer() if tokenizer else None
     eos = tokenizer_obj.eos_token_id if tokenizer_obj else 0
-    config = config_cls(**{**TINY, "eos_token_id": eos, "bos_token_id": None, **overrides})
+    moe = TINY_MOE if architecture.endswith("_moe") else {}
+    config = config_cls(**{**TINY, **moe, "eos_token_id": eos, "bos_token_id": None, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     # transformers initializes norms to ones: random ones test that they are loaded.

@@ -3,6 +3,7 @@ differences between architectures as a few flags."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -86,13 +87,18 @@ class DecoderLayer(nn.Module):
     """One layer, in the two halves around its attention call (``DecoderModel.piece``)."""
 
     def __init__(
-        self, cfg: ModelConfig, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallel
+        self,
+        cfg: ModelConfig,
+        spec: DecoderSpec,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, spec, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DecoderMLP(cfg, spec, tp)
+        self.mlp = mlp
 
     def before_attention(self, positions, x, residual, ctx):
         """The input norm (the residual added first) and the attention's q, k, v (K and V to
@@ -111,14 +117,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        spec: DecoderSpec,
+        tp: TensorParallel,
+        mlp: Callable[[int], nn.Module] | None = None,
+    ) -> None:
+        """``mlp(i)``: layer i's MLP (default: the gated MLP of every dense model)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        mlp = mlp or (lambda i: DecoderMLP(cfg, spec, tp))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, spec, rotary, tp) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, spec, rotary, tp, mlp(i)) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -173,7 +187,8 @@ class DecoderForCausalLM(nn.Module):
         ):
             raise ValueError(f"sliding-window attention (window {window}) is not supported")
         self.config, self.tp = cfg, tp
-        self.model = DecoderModel(cfg, self.spec_for(cfg), tp)
+        spec = self.spec_for(cfg)
+        self.model = DecoderModel(cfg, spec, tp, lambda i: self.make_mlp(cfg, spec, tp, i))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -181,6 +196,13 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def spec_for(cls, cfg: ModelConfig) -> DecoderSpec:
         return cls.spec
+
+    @classmethod
+    def make_mlp(
+        cls, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel, layer: int
+    ) -> nn.Module:
+        """Layer ``layer``'s MLP (a mixture of experts overrides this)."""
+        return DecoderMLP(cfg, spec, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -1,0 +1,142 @@
+"""Mixture-of-experts MLP: a router picks the top-k experts of each token, each expert is a
+gated MLP (SiLU(x W_gate) * x W_up) W_down, and the token's output is their sum weighted by the
+router's probabilities.
+
+The experts' weights are held fused: ``w13`` [E, 2 I, H] (gate then up of each expert) and
+``w2`` [E, H, I], loaded from the per-expert tensors of Hugging Face checkpoints. With tensor
+parallelism each rank holds a slice of every expert's intermediate dimension I and the block
+all-reduces its output, as a row-parallel layer does.
+
+``moe_torch`` is the implementation on every device for now, and the reference of a fused
+kernel: it gathers each expert's tokens, so its shapes depend on the routing (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nano_models.layers.activation import silu_and_mul
+from nano_models.layers.linear import ReplicatedLinear
+from nano_models.parallel import SINGLE, TensorParallel
+from nano_models.weights import WeightSource
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in ``dtype``, expert ids [T, k]) of the top-k experts of each token by
+    softmax probability (float32), renormalized to sum to 1 when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+def moe_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], w13 [E, 2I, H], w2 [E, H, I]:
+    [T, H] in x's dtype, each expert run once on the tokens that chose it."""
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // ids.shape[1]  # (the token of each (token, slot) pair, by expert)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        rows = tokens[start : start + count]
+        start += count
+        h = silu_and_mul(F.linear(x[rows], w13[expert]))
+        y = F.linear(h, w2[expert]) * weights.flatten()[pairs, None]
+        out.index_add_(0, rows, y)
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: ``forward(x, weights, ids)`` with the router's choice."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        local = tp.split(intermediate_size, "moe_intermediate_size")
+        self.local = local
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, local), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.w13_loader
+        self.w2_weight.weight_loader = self.w2_loader
+
+    def shards(self, param_name: str) -> set:
+        """The checkpoint tensors a parameter is made of: (expert, 0 gate | 1 up) for w13,
+        the expert for w2."""
+        if param_name.endswith("w13_weight"):
+            return {(e, j) for e in range(self.num_experts) for j in (0, 1)}
+        return set(range(self.num_experts))
+
+    def _expert(self, source: WeightSource, shard) -> int:
+        expert = shard[0] if isinstance(shard, tuple) else shard
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"{source.name}: expert {expert} of a layer with {self.num_experts} experts"
+            )
+        return expert
+
+    def w13_loader(self, param: nn.Parameter, source: WeightSource, shard) -> None:
+        expert, part = self._expert(source, shard), shard[1]
+        source.expect_shape((self.intermediate_size, self.hidden_size))
+        rows = source.narrow(0, self.tp.rank * self.local, self.local)
+        param.data[expert].narrow(0, part * self.local, self.local).copy_(rows)
+
+    def w2_loader(self, param: nn.Parameter, source: WeightSource, shard) -> None:
+        expert = self._expert(source, shard)
+        source.expect_shape((self.hidden_size, self.intermediate_size))
+        param.data[expert].copy_(source.narrow(1, self.tp.rank * self.local, self.local))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = moe_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.tp.all_reduce(out)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (a replicated linear layer to the experts' logits) and experts."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, tp)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
+        return self.experts(x, weights, ids)

@@ -1,0 +1,93 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, and in the sparse layers a
+mixture of experts in place of the MLP (a router's top ``num_experts_per_tok`` of
+``num_experts``, renormalized with ``norm_topk_prob``). A layer is sparse unless it is in
+``mlp_only_layers`` or ``decoder_sparse_step`` skips it (as transformers decides)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+from torch import nn
+
+from nano_models.config import ModelConfig
+from nano_models.layers.moe import SparseMoeBlock
+from nano_models.models.decoder import DecoderMLP, DecoderSpec
+from nano_models.models.qwen3 import Qwen3ForCausalLM
+from nano_models.parallel import SINGLE, TensorParallel
+from nano_models.registry import register_model
+
+# model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (the hub's checkpoints)
+_EXPERT = re.compile(
+    r"(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+_SETTINGS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def moe_settings(cfg: ModelConfig) -> tuple[int, int, int, bool]:
+    """(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob) of a config;
+    ValueError naming what is missing or wrong."""
+    raw = dict(cfg.raw)
+    if "num_experts" not in raw and "num_local_experts" in raw:  # (transformers 5's name)
+        raw["num_experts"] = raw["num_local_experts"]
+    missing = [k for k in _SETTINGS if k not in raw]
+    if missing:
+        raise ValueError(f"a Qwen3-MoE config needs {missing}")
+    for name in _SETTINGS:
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    experts, top_k, size = (raw[name] for name in _SETTINGS)
+    return experts, top_k, size, bool(raw.get("norm_topk_prob", False))
+
+
+def is_sparse(cfg: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` has experts (transformers' rule)."""
+    raw = cfg.raw
+    step = raw.get("decoder_sparse_step", 1) or 1
+    return layer not in (raw.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+@register_model("Qwen3MoeForCausalLM")
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    supports_cuda_graphs: ClassVar[bool] = False  # (the torch experts' shapes follow the routing)
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        moe_settings(cfg)  # (checked before any layer is built)
+        super().__init__(cfg, tp)
+
+    @classmethod
+    def make_mlp(
+        cls, cfg: ModelConfig, spec: DecoderSpec, tp: TensorParallel, layer: int
+    ) -> nn.Module:
+        if not is_sparse(cfg, layer):
+            return DecoderMLP(cfg, spec, tp)
+        experts, top_k, size, renormalize = moe_settings(cfg)
+        return SparseMoeBlock(cfg.hidden_size, size, experts, top_k, renormalize, tp)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object] | None:
+        """Our parameter and shard of a checkpoint tensor, for the experts' (None: the
+        others, mapped as in every decoder)."""
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            return None
+        expert = int(m["e"])
+        if m["proj"] == "down":
+            return f"{m['layer']}.w2_weight", expert
+        return f"{m['layer']}.w13_weight", (expert, 0 if m["proj"] == "gate" else 1)
+
+    def param_shards(self, param_name: str) -> set | None:
+        """The shards a parameter is loaded from (None: as in every decoder)."""
+        if param_name.endswith((".experts.w13_weight", ".experts.w2_weight")):
+            return self.get_submodule(param_name.rsplit(".", 1)[0]).shards(param_name)
+        return None
+
+    def checkpoint_name(self, param_name: str, shard) -> str | None:
+        """The checkpoint tensor of an expert parameter's shard (None: not an expert's)."""
+        layer, _, kind = param_name.rpartition(".")
+        if kind == "w13_weight":
+            expert, part = shard
+            return f"{layer}.{expert}.{('gate', 'up')[part]}_proj.weight"
+        if kind == "w2_weight":
+            return f"{layer}.{shard}.down_proj.weight"
+        return None
