@@ -313,3 +313,26 @@ def test_plots_are_written(tmp_path):
     result = simulate(synthetic(30, (10, 50), (5, 20), rate=50, seed=1), ZeroCost())
     result.plot(tmp_path / "sim.png")
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_choose():
+    """Qwen3-30B-A3B's shape, counted by hand: 61 GB of weights, of which a step reads the
+    touched experts' (uniform routing: E (1 - (1 - k / E)^tokens) of each sparse layer)."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks/configs/qwen3-30b-a3b.json"
+    m = ModelShape.from_hf_config(path)
+    h, e, k, i, layers = 2048, 128, 8, 768, 48
+    attention = h * (32 + 2 * 4) * 128 + 32 * 128 * h
+    expert = 3 * h * i
+    total = layers * (attention + e * (h + expert)) + 2 * 151936 * h + (2 * layers + 1) * h
+    assert m.sparse_layers == layers and m.weight_bytes == 2 * total
+    assert m.flops_per_token == 2 * layers * (attention + e * h + k * expert)
+    assert m.experts_touched(1) == pytest.approx(k)
+    assert m.experts_touched(10_000) == pytest.approx(e)
+    one = m.weight_bytes - 2 * layers * (e - k) * expert
+    assert m.weight_bytes_read(1) == pytest.approx(one)
+    assert one < m.weight_bytes_read(32) < m.weight_bytes_read(256) <= m.weight_bytes
+    # a dense layer in mlp_only_layers, and a dense model, read all of their weights
+    config = json.loads(path.read_text()) | {"mlp_only_layers": [0, 5]}
+    assert ModelShape.from_hf_config(config).sparse_layers == layers - 2
+    dense = ModelShape.from_hf_config(Path(path).with_name("qwen3-8b.json"))
+    assert dense.weight_bytes_read(1) == dense.weight_bytes

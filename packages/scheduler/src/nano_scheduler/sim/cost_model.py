@@ -139,6 +139,12 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    # A mixture of experts (Qwen3-MoE): in ``sparse_layers`` of the layers, a router picks
+    # ``experts_per_token`` of ``num_experts`` gated MLPs of ``moe_intermediate_size`` each.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelShape:
@@ -150,6 +156,13 @@ class ModelShape:
         try:
             heads = config["num_attention_heads"]
             dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+            experts = config.get("num_experts") or config.get("num_local_experts") or 0
+            layers = config["num_hidden_layers"]
+            sparse = 0
+            if experts:  # (transformers' rule: mlp_only_layers, and every decoder_sparse_step)
+                step = config.get("decoder_sparse_step") or 1
+                dense = set(config.get("mlp_only_layers") or [])
+                sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(layers))
             return cls(
                 num_layers=config["num_hidden_layers"],
                 hidden_size=config["hidden_size"],
@@ -160,22 +173,57 @@ class ModelShape:
                 vocab_size=config["vocab_size"],
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 dtype_bytes=_dtype_bytes(dtype),
+                num_experts=experts,
+                experts_per_token=config["num_experts_per_tok"] if experts else 0,
+                moe_intermediate_size=config["moe_intermediate_size"] if experts else 0,
+                sparse_layers=sparse,
             )
         except KeyError as e:
             raise ValueError(f"the model config lacks {e}; need a decoder-only HF config") from e
 
     @property
-    def layer_params(self) -> int:
-        """Matmul parameters of one layer: fused qkv, output projection, gated MLP."""
+    def attention_params(self) -> int:
+        """Matmul parameters of one layer's attention: fused qkv, output projection."""
         attn = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn += self.num_heads * self.head_dim * self.hidden_size
-        return attn + 3 * self.hidden_size * self.intermediate_size
+        return attn + self.num_heads * self.head_dim * self.hidden_size
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (a gated MLP of moe_intermediate_size)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul parameters of one dense layer: attention and gated MLP."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def sparse_layer_params(self) -> int:
+        """Parameters of one layer with experts: attention, router, every expert."""
+        return self.attention_params + self.num_experts * (self.hidden_size + self.expert_params)
 
     @property
     def weight_bytes(self) -> int:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return (self.num_layers * self.layer_params + embeddings + norms) * self.dtype_bytes
+        dense = (self.num_layers - self.sparse_layers) * self.layer_params
+        sparse = self.sparse_layers * self.sparse_layer_params
+        return (dense + sparse + embeddings + norms) * self.dtype_bytes
+
+    def experts_touched(self, tokens: int) -> float:
+        """Distinct experts a layer's tokens choose, expected under uniform routing:
+        E (1 - (1 - k / E)^tokens)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** tokens)
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads: everything but the experts none of
+        its tokens chose."""
+        untouched = self.num_experts - self.experts_touched(tokens)
+        return self.weight_bytes - (
+            self.sparse_layers * untouched * self.expert_params * self.dtype_bytes
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -183,8 +231,12 @@ class ModelShape:
 
     @property
     def flops_per_token(self) -> int:
-        """Matmul FLOPs of one token through every layer (the LM head is counted apart)."""
-        return 2 * self.num_layers * self.layer_params
+        """Matmul FLOPs of one token through every layer (the LM head is counted apart): in a
+        layer with experts, the router and its experts_per_token experts."""
+        dense = (self.num_layers - self.sparse_layers) * self.layer_params
+        active = self.num_experts * self.hidden_size + self.experts_per_token * self.expert_params
+        sparse = self.sparse_layers * (self.attention_params + active)
+        return 2 * (dense + sparse)
 
     @property
     def lm_head_flops(self) -> int:
@@ -224,7 +276,8 @@ GPU_PRESETS = {
 class RooflineCostModel(DeviceOnlyModel):
     """max(FLOPs / rate, bytes / bandwidth) of a step, plus a fixed per-step overhead.
 
-    Bytes: all weights once, every chunk's and decode's KV context once, the new tokens' KV
+    Bytes: all weights once (of a mixture of experts, those of the experts its tokens are
+    expected to choose), every chunk's and decode's KV context once, the new tokens' KV
     written. FLOPs: the matmuls of every new token, the LM head of every sampled token, and
     attention over the (query, key) pairs.
     """
@@ -236,7 +289,7 @@ class RooflineCostModel(DeviceOnlyModel):
         m = self.model
         tokens = batch.num_tokens
         context = batch.decode_context + sum(n + start for n, start in batch.prefills)
-        nbytes = m.weight_bytes + (context + tokens) * m.kv_bytes_per_token
+        nbytes = m.weight_bytes_read(tokens) + (context + tokens) * m.kv_bytes_per_token
         flops = (
             tokens * m.flops_per_token
             + batch.num_sampled * m.lm_head_flops
