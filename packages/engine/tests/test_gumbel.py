@@ -188,6 +188,11 @@ def test_a_bad_bitmask_is_refused():
         gumbel_argmax(logits, inv, seeds, narrow, rows)
     with pytest.raises(ValueError, match="bitmask"):
         gumbel_argmax(logits, inv, seeds, narrow.long(), rows)
+    wide = torch.zeros(2, -(-VOCAB // 32), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="mask_rows"):
+        gumbel_argmax(logits, inv, seeds, wide, rows.long())
+    with pytest.raises(ValueError, match="mask_rows"):
+        gumbel_argmax(logits, inv, seeds, wide, rows[:1])
 
 
 @pytest.mark.parametrize("path", ["prepare_fused", "prepare", "logprobs"])

@@ -488,7 +488,8 @@ class LLMEngine:
             if status == REJECTED:
                 name = request.request_id
                 log.error("request %s: token %d sampled against its grammar", name, token)
-                self.scheduler.finish(seq.seq_id, FinishReason.ABORT)
+                if not seq.is_finished:  # (a stop token it refused has finished it already)
+                    self.scheduler.finish(seq.seq_id, FinishReason.ABORT)
             elif status == ENDED and not seq.is_finished:
                 self.scheduler.finish(seq.seq_id, FinishReason.STOP)
 

@@ -151,8 +151,15 @@ def gumbel_argmax(
         or bitmask.dtype != torch.int32
         or bitmask.stride(1) != 1
         or bitmask.shape[1] * 32 < vocab
+        or mask_rows.dtype != torch.int32
+        or mask_rows.shape != (rows,)
+        or mask_rows.device != logits.device
+        or bitmask.device != logits.device
     ):
-        raise ValueError("the bitmask must be int32 [R, ceil(V / 32)] with its mask_rows")
+        raise ValueError(
+            "the bitmask must be int32 [R, ceil(V / 32)] with int32 mask_rows [S], both on "
+            "the logits' device"
+        )
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         splits = triton.cdiv(vocab, _BLOCK * _TILES)

@@ -195,7 +195,17 @@ class TokenMasks:
                 work.accepted.set()
             if not kept:
                 return None
-            fill([m for m, _ in kept], host)  # (the loop goes on once this releases the GIL)
+            try:
+                fill([m for m, _ in kept], host)  # (the loop goes on once this releases the GIL)
+            except RuntimeError:
+                # xgrammar refuses to fill a matcher that has ended; the engine never asks
+                # for one (an ended grammar finishes its sequence), but should it, that row
+                # goes rather than the engine.
+                kept = [(m, r) for m, r in kept if not m.is_terminated()]
+                if not kept:
+                    return None
+                host = host[: len(kept)]
+                fill([m for m, _ in kept], host)
             return host, [r for _, r in kept]
 
         work.future = self._pool.submit(run)
