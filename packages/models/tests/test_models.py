@@ -46,6 +46,11 @@ CASES = {
         "qwen3_moe",
         {"num_experts": 6, "num_experts_per_tok": 4, "norm_topk_prob": True},
     ),
+    # experts in every second layer only, one expert per token
+    "qwen3-moe-sparse-step-2-top1": (
+        "qwen3_moe",
+        {"num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts_per_tok": 1},
+    ),
 }
 
 
