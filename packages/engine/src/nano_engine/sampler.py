@@ -143,12 +143,9 @@ class Sampler:
         with a grammar's bitmask (``prepare``'s ``grammar``): seeds, 1 / temperature and each
         row's row of the bitmask, in one copy to the device."""
         n = len(rows.seeds)
-        mask_rows = array("i", [-1]) * n
-        for i, row in enumerate(grammar[1]):
-            mask_rows[row] = i
         staged = array("i", array("q", rows.seeds).tobytes())
         staged.frombytes(array("f", rows.inv_temperature).tobytes())
-        staged.extend(mask_rows)
+        staged.extend(_mask_rows(grammar[1], n))
         if self._staging is not None:
             packed = self._staging.copy(staged)
         else:
@@ -206,10 +203,7 @@ class Sampler:
             rows.append([float(self._seed(seq)) for seq in seqs])
             rows.append([float(f) for f in filtered])
             if grammar is not None:
-                mask_rows = [-1.0] * len(seqs)
-                for i, row in enumerate(grammar[1]):
-                    mask_rows[row] = float(i)
-                rows.append(mask_rows)
+                rows.append([float(r) for r in _mask_rows(grammar[1], len(seqs))])
         if self._staging is not None:  # pinned: no wait for the step the device is running
             flat = array("d")
             for row in rows:
@@ -397,6 +391,14 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> tuple[t
     rank = (logprobs > chosen).sum(-1) + 1
     values, ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], index[:, :0])
     return chosen[:, 0], rank, values, ids
+
+
+def _mask_rows(rows: list[int], n: int) -> list[int]:
+    """For each of ``n`` logits rows, its row of a bitmask holding ``rows`` (-1: none)."""
+    index = [-1] * n
+    for i, row in enumerate(rows):
+        index[row] = i
+    return index
 
 
 class SampledTokens:
