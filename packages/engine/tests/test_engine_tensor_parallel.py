@@ -168,3 +168,61 @@ def test_a_worker_that_cannot_start_is_reported_at_once(checkpoints, tmp_path):
     assert proc.returncode != 0
     assert "tensor-parallel worker 1" in proc.stderr and "did not start" in proc.stderr
     assert time.monotonic() - start < 120
+
+
+_DYING_WORKER = """
+import os, sys
+
+# Loaded by every Python started with this directory on PYTHONPATH: a spawned process (the
+# worker) exits at the phase the test names; rank 0, in the test's process, is untouched.
+phase = os.environ.get("NANO_TEST_WORKER_DIES")
+if phase and "--multiprocessing-fork" in sys.argv:
+    import torch.distributed as dist
+
+    from nano_engine import parallel
+    from nano_engine.model_runner import ModelRunner
+
+    if phase == "store":  # before joining rank 0's store
+        dist.TCPStore = lambda *args, **kwargs: os._exit(7)
+    elif phase == "rendezvous":  # joined: rank 0 goes on into the process group's rendezvous
+        parallel.init_group = lambda *args, **kwargs: os._exit(7)
+    elif phase == "sizing":  # in the group: rank 0 waits in the KV sizing's collective
+        ModelRunner._size_kv_cache = lambda self: os._exit(7)
+"""
+
+
+@pytest.mark.parametrize(
+    ("phase", "message"),
+    [
+        ("store", "did not start (exit code 7"),
+        ("rendezvous", "exited with code 7 while the engine started"),
+        ("sizing", "exited with code 7 while the engine started"),
+    ],
+)
+def test_a_worker_that_dies_while_the_engine_starts_is_reported_within_seconds(
+    checkpoints, tmp_path, monkeypatch, phase, message
+):
+    """A worker that dies at any phase of the start: before joining (rank 0 waits for it to
+    join), after joining (rank 0 waits in the process group's rendezvous), or in the group
+    (rank 0 waits in the KV sizing's collective). The start fails naming it within seconds,
+    not at the group's 10-minute timeout, and leaves nothing behind: the next engine of this
+    process starts."""
+    import torch.distributed as dist
+
+    (tmp_path / "sitecustomize.py").write_text(_DYING_WORKER)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("NANO_TEST_WORKER_DIES", phase)
+    path = checkpoints("qwen3")
+    options = {"kvcache_block_size": 4, "device": "cpu", "tensor_parallel_size": 2}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 \(pid \d+\) ") as error:
+        LLM(path, **options)
+    assert message in str(error.value)
+    assert time.monotonic() - start < 60  # (mostly the worker's imports on a busy 2-core host)
+    assert not dist.is_initialized()
+    if phase == "rendezvous":  # (the one that leaves a thread behind, in the rendezvous)
+        monkeypatch.delenv("NANO_TEST_WORKER_DIES")
+        with LLM(path, **options) as llm:
+            assert llm.generate("again", GREEDY, use_tqdm=False)[0].outputs[0].token_ids

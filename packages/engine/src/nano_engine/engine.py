@@ -84,12 +84,13 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.workers = None
         self._apart = False  # a worker may be in a collective that this rank will not join
-        tp = TensorParallel()
-        if config.tensor_parallel_size > 1:
-            self.workers = Workers(config, mc, device, self.max_model_len)
-            tp = init_group(0, config.tensor_parallel_size, self.workers.port, device)
         try:
-            self.runner = ModelRunner(config, mc, device, tp, self.max_model_len)
+            if config.tensor_parallel_size > 1:
+                self.workers = Workers(config, mc, device, self.max_model_len)
+                self.runner = self.workers.start(lambda: self._start_rank0(device))
+                self.runner.bind_thread()  # (as a runner made on this thread would have)
+            else:
+                self.runner = ModelRunner(config, mc, device, TensorParallel(), self.max_model_len)
             self.sampler = Sampler(self.runner.device, mc.vocab_size, self.runner.staging)
             self.sampler.warm_up(self.runner.dtype)
             self.block_manager = BlockManager(
@@ -141,6 +142,12 @@ class LLMEngine:
             ).start()
         atexit.register(_shutdown_if_alive, weakref.ref(self))
         _freeze_gc(self)  # last: an engine that failed to start froze nothing
+
+    def _start_rank0(self, device) -> ModelRunner:
+        """Rank 0 of a tensor-parallel engine: join the workers' process group, then load."""
+        world = self.config.tensor_parallel_size
+        tp = init_group(0, world, self.workers.store, device)
+        return ModelRunner(self.config, self.model_config, device, tp, self.max_model_len)
 
     # ---- requests (any thread) ---------------------------------------------------------------
 

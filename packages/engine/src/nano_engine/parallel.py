@@ -2,9 +2,11 @@
 
 Tensors move through torch.distributed (NCCL on GPU, gloo on CPU) on a free port chosen per
 engine; each step's ``StepInput`` goes to every worker over its own pipe (with async scheduling,
-the previous step's sampled tokens follow by broadcast). A worker that dies is
-seen within a fraction of a second by ``dead()`` (the engine polls it) and reported with its
-exit code; ``shutdown`` stops and joins every process.
+the previous step's sampled tokens follow by broadcast). A worker that dies is seen within a
+fraction of a second, from its spawn on: while rank 0 starts (``start``: the rendezvous, the
+load, the KV sizing and graph capture, each waiting on every rank) and while it serves
+(``dead()``, which the engine polls), and reported with its exit code; ``shutdown`` stops and
+joins every process.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import gc
 import logging
 import multiprocessing as mp
 import socket
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,13 @@ from nano_engine.model_runner import ModelRunner, StepInput
 from nano_models import ModelConfig, TensorParallel
 
 log = logging.getLogger("nano_engine")
+T = TypeVar("T")
 _TIMEOUT = timedelta(minutes=10)  # model loading and graph capture happen under it
+
+
+def _joined(rank: int) -> str:
+    """The key a worker sets in rank 0's store once it has started and connected."""
+    return f"nano-engine/joined/{rank}"
 
 
 def free_port() -> int:
@@ -34,16 +46,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
+def init_group(rank: int, world: int, store: dist.Store, device: torch.device) -> TensorParallel:
+    """Join the process group through ``store`` (rank 0's, which every worker has joined)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    world_state = getattr(dist.distributed_c10d, "_world", None)
+    if world_state is not None and not dist.is_initialized():
+        # torch names a default group by a count that only a destroyed group resets: a start
+        # that failed with a thread left in the rendezvous (Workers.start) took "0". The
+        # workers, new processes, count from 0.
+        world_state.group_count = 0
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=_TIMEOUT,
-        **kwargs,
+        backend, store=store, rank=rank, world_size=world, timeout=_TIMEOUT, **kwargs
     )
     return TensorParallel.from_group()
 
@@ -77,9 +91,10 @@ def _worker_main(
     max_model_len: int,
     conn,
 ) -> None:
-    conn.send("ready")  # imported and unpickled: the engine may join the process group now
     dev = rank_device(torch.device(device), rank)
-    tp = init_group(rank, world, port, dev)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=_TIMEOUT)
+    store.set(_joined(rank), "1")  # imported and unpickled: rank 0 may join the process group now
+    tp = init_group(rank, world, store, dev)
     runner, stopped = None, False
     try:
         runner = ModelRunner(config, model_config, dev, tp, max_model_len)
@@ -110,6 +125,13 @@ def _worker_main(
                 dist.destroy_process_group()
 
 
+def _capture(fn: Callable[[], object], outcome: list) -> None:
+    try:
+        outcome.append((True, fn()))
+    except BaseException as error:  # (handed to the waiting thread, which raises it)
+        outcome.append((False, error))
+
+
 class Workers:
     def __init__(
         self,
@@ -124,7 +146,12 @@ class Workers:
                 f"tensor_parallel_size {self.world} needs {self.world} GPUs, "
                 f"{torch.cuda.device_count()} are visible"
             )
-        self.port = free_port()
+        # Rank 0's store, which the workers join before anyone waits in the process group: a
+        # worker that dies first is seen by polling it, with no thread left in a rendezvous.
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.world, is_master=True, timeout=_TIMEOUT, wait_for_workers=False
+        )
+        self.port = self.store.port
         context = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, self.world):
@@ -148,7 +175,7 @@ class Workers:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self._wait_ready()
+        self._wait_joined()
         log.info(
             "started %d tensor-parallel workers (pids %s, port %d)",
             self.world - 1,
@@ -156,19 +183,18 @@ class Workers:
             self.port,
         )
 
-    def _wait_ready(self, timeout: float = 300.0) -> None:
-        """Wait for every worker to start (import, unpickle its arguments). One that exits
-        first is an error naming it: the process group would otherwise wait for it for
-        minutes."""
+    def _wait_joined(self, timeout: float = 300.0) -> None:
+        """Wait for every worker to start (import, unpickle its arguments) and join the store.
+        One that exits first, or not in ``timeout`` seconds, is an error naming it: the process
+        group would otherwise wait for it for minutes."""
         deadline = time.monotonic() + timeout
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            while True:
-                if conn.poll(0.05):
-                    with contextlib.suppress(EOFError):  # (EOF: it exited)
-                        conn.recv()
-                        break
-                    proc.join(5)
-                if proc.exitcode is not None or time.monotonic() > deadline:
+        waiting = dict(enumerate(self.procs, start=1))
+        while waiting:
+            wait([proc.sentinel for proc in waiting.values()], timeout=0.05)
+            for rank, proc in list(waiting.items()):
+                if self.store.check([_joined(rank)]):
+                    del waiting[rank]
+                elif proc.exitcode is not None or time.monotonic() > deadline:
                     why = (
                         f"exit code {proc.exitcode}; its error is above"
                         if proc.exitcode is not None
@@ -178,6 +204,42 @@ class Workers:
                     raise RuntimeError(
                         f"tensor-parallel worker {rank} (pid {proc.pid}) did not start ({why})"
                     )
+
+    def start(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, this rank's part of the start-up (joining the process group, loading,
+        sizing the KV cache, capturing graphs: each waits for every rank), in a thread while
+        watching the workers. A worker that exits meanwhile fails the start within a fraction
+        of a second with a RuntimeError naming it, instead of leaving this rank in the
+        rendezvous or a collective until the group's timeout (minutes). The thread is then left
+        to its wait: a gloo collective fails once its peer is gone, an NCCL group is aborted,
+        a rendezvous ends at its timeout."""
+        outcome: list = []
+        thread = threading.Thread(
+            target=_capture, args=(fn, outcome), name="nano-engine-start", daemon=True
+        )
+        thread.start()
+        sentinels = [proc.sentinel for proc in self.procs]
+        while thread.is_alive():
+            wait(sentinels, timeout=0.1)
+            if (message := self.dead()) is not None:
+                abort_group(None)
+                thread.join(2.0)  # (its collective's error, if it has one, is no news)
+                if thread.is_alive():
+                    log.warning(
+                        "rank 0's start is left waiting for the dead worker in the process "
+                        "group's rendezvous (its timeout: %s)",
+                        _TIMEOUT,
+                    )
+                raise RuntimeError(f"{message} while the engine started; its error is above")
+        ok, value = outcome[0]
+        if ok:
+            return value
+        # A peer's death often reaches this rank first as its collective's error: name the
+        # worker (it may take a moment to be reaped).
+        wait(sentinels, timeout=2.0)
+        if (message := self.dead()) is not None:
+            raise RuntimeError(f"{message} while the engine started; its error is above") from value
+        raise value
 
     def dead(self) -> str | None:
         """A message naming the first worker that exited, or None."""
