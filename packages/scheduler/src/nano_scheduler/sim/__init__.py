@@ -13,6 +13,7 @@ from nano_scheduler.sim.cost_model import (
     ModelShape,
     RooflineCostModel,
 )
+from nano_scheduler.sim.fleet import FleetSimulator
 from nano_scheduler.sim.metrics import RequestRecord, SimResult, format_summary
 from nano_scheduler.sim.simulator import Simulator
 from nano_scheduler.sim.workload import (
@@ -30,6 +31,7 @@ __all__ = [
     "CostModel",
     "DeviceOnlyModel",
     "FittedCostModel",
+    "FleetSimulator",
     "ModelShape",
     "Request",
     "RequestRecord",

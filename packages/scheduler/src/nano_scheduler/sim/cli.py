@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nano_scheduler.config import POLICIES, SchedulerConfig
+from nano_scheduler.router import ROUTERS
 from nano_scheduler.sim.cost_model import GPU, FittedCostModel, ModelShape, RooflineCostModel
-from nano_scheduler.sim.metrics import format_summary
+from nano_scheduler.sim.fleet import FleetSimulator
+from nano_scheduler.sim.metrics import SimResult, format_summary
 from nano_scheduler.sim.profile import SAMPLING_KINDS, Profile
 from nano_scheduler.sim.profiled import ProfiledCostModel
 from nano_scheduler.sim.simulator import Simulator
@@ -110,6 +113,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="overlap each step's host work with the previous step on the device (on)",
     )
 
+    f = p.add_argument_group("fleet: data-parallel replicas behind the server's router")
+    f.add_argument("--replicas", type=int, help="engines of this configuration (1)")
+    f.add_argument(
+        "--router",
+        choices=sorted(ROUTERS),
+        help="how requests are spread over the replicas (least_tokens)",
+    )
+    f.add_argument(
+        "--slo-ttft-p99",
+        type=float,
+        metavar="SECONDS",
+        help="find the fewest replicas whose TTFT p99 is within this (with --slo-tpot-p99: both)",
+    )
+    f.add_argument(
+        "--slo-tpot-p99",
+        type=float,
+        metavar="SECONDS",
+        help="find the fewest replicas whose TPOT p99 is within this",
+    )
+    f.add_argument(
+        "--max-replicas", type=int, default=64, help="the most replicas the search tries (64)"
+    )
+
     o = p.add_argument_group("output")
     o.add_argument(
         "--json", type=Path, help="write the summary, per-request records and timeline as JSON"
@@ -150,7 +176,21 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
         raise ValueError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
+    for name in ("slo_ttft_p99", "slo_tpot_p99"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    searching = args.slo_ttft_p99 is not None or args.slo_tpot_p99 is not None
+    if searching and args.replicas is not None:
+        raise ValueError("--replicas and an SLO (--slo-*) exclude each other: the SLO searches it")
+    for name in (
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "num_blocks",
+        "replicas",
+        "max_replicas",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -238,10 +278,15 @@ def _run(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     build = _from_profile if args.profile else _from_model
-    sim, headline = build(args, hf_config, _workload(args))
+    make, headline = build(args, hf_config, _workload(args))
     print(headline, flush=True)
     start = time.perf_counter()
-    result = sim.run()
+    if args.slo_ttft_p99 is not None or args.slo_tpot_p99 is not None:
+        result = _search_replicas(args, make)
+        if result is None:
+            return 1
+    else:
+        result = make(args.replicas or 1).run()
     print(format_summary(result.summary()))
     print(f"(simulated in {time.perf_counter() - start:.1f} s)")
     if args.json:
@@ -249,6 +294,57 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         result.plot(args.plot)
     return 0
+
+
+def _search_replicas(args: argparse.Namespace, make) -> SimResult | None:
+    """The fewest replicas (up to --max-replicas) that meet the SLO: doubling until one does,
+    then bisecting below it. Prints each try; None (and why) when even the most do not."""
+    slo = {"ttft_s": args.slo_ttft_p99, "tpot_s": args.slo_tpot_p99}
+    slo = {key: limit for key, limit in slo.items() if limit is not None}
+    wanted = " and ".join(f"{k[:4].upper()} p99 <= {v * 1e3:g} ms" for k, v in slo.items())
+    print(f"searching the fewest replicas with {wanted}")
+    print(f"{'replicas':>8}  {'output tok/s':>12}  {'TTFT p99 ms':>11}  {'TPOT p99 ms':>11}  meets")
+    tried: dict[int, tuple[bool, SimResult]] = {}
+
+    def meets(replicas: int) -> bool:
+        result = make(replicas).run()
+        s = result.summary()
+        ok = not result.rejected and all(s[key]["p99"] <= limit for key, limit in slo.items())
+        print(
+            f"{replicas:>8}  {s['output_tok_per_s']:>12,.0f}  {s['ttft_s']['p99'] * 1e3:>11.1f}"
+            f"  {s['tpot_s']['p99'] * 1e3:>11.1f}  {'yes' if ok else 'no'}",
+            flush=True,
+        )
+        tried[replicas] = (ok, result)
+        return ok
+
+    low, high = 0, 1  # (low fails, high is tried next)
+    while not meets(high):
+        if high >= args.max_replicas:
+            print(f"nano-sim: even {high} replicas miss {wanted} (--max-replicas)", file=sys.stderr)
+            return None
+        low, high = high, min(2 * high, args.max_replicas)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    print(f"fewest replicas with {wanted}: {high}")
+    return tried[high][1]
+
+
+def _fleet(args: argparse.Namespace, requests, **kwargs):
+    """A function of the number of replicas: the simulator (one engine alone, or a fleet)."""
+
+    def make(replicas: int):
+        if replicas == 1 and args.router is None:
+            return Simulator(requests, **kwargs)
+        return FleetSimulator(
+            requests, replicas=replicas, router=args.router or "least_tokens", **kwargs
+        )
+
+    return make
 
 
 def scheduler_config(args, max_model_len: int, eng=None) -> SchedulerConfig:
@@ -269,7 +365,7 @@ def scheduler_config(args, max_model_len: int, eng=None) -> SchedulerConfig:
     )
 
 
-def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
+def _from_profile(args, hf_config, requests) -> tuple[Callable, str]:
     profile = Profile.load(args.profile)
     if hf_config is not None:
         profile.check_model(hf_config)
@@ -290,14 +386,15 @@ def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
         config.max_num_batched_tokens,
     )
     num_blocks = args.num_blocks or eng.num_kv_blocks
-    sim = Simulator(
+    make = _fleet(
+        args,
         requests,
-        cost,
-        config,
-        num_blocks,
-        eng.block_size,
-        _setting(args, "prefix_caching", eng.enable_prefix_caching),
-        args.seed,
+        cost_model=cost,
+        config=config,
+        num_blocks=num_blocks,
+        block_size=eng.block_size,
+        enable_prefix_caching=_setting(args, "prefix_caching", eng.enable_prefix_caching),
+        seed=args.seed,
         async_scheduling=_setting(args, "async_scheduling", eng.async_scheduling),
         server=cost.server_costs,
     )
@@ -308,10 +405,10 @@ def _from_profile(args, hf_config, requests) -> tuple[Simulator, str]:
         f"({frontend}), {num_blocks} KV blocks of {eng.block_size} tokens "
         f"({num_blocks * eng.block_size:,} tokens)"
     )
-    return sim, headline
+    return make, headline
 
 
-def _from_model(args, hf_config, requests) -> tuple[Simulator, str]:
+def _from_model(args, hf_config, requests) -> tuple[Callable, str]:
     model = ModelShape.from_hf_config(hf_config)
     gpu = GPU.preset(args.gpu or "h200")
     gpu = GPU(
@@ -332,14 +429,15 @@ def _from_model(args, hf_config, requests) -> tuple[Simulator, str]:
         if num_blocks < 1:
             raise ValueError(f"the weights ({model.weight_bytes / 1e9:.1f} GB) leave no KV memory")
     max_model_len = args.max_model_len or hf_config.get("max_position_embeddings", 4096)
-    sim = Simulator(
+    make = _fleet(
+        args,
         requests,
-        cost,
-        scheduler_config(args, max_model_len),
-        num_blocks,
-        block_size,
-        _setting(args, "prefix_caching"),
-        args.seed,
+        cost_model=cost,
+        config=scheduler_config(args, max_model_len),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_prefix_caching=_setting(args, "prefix_caching"),
+        seed=args.seed,
         async_scheduling=_setting(args, "async_scheduling"),
     )
     headline = (
@@ -347,7 +445,7 @@ def _from_model(args, hf_config, requests) -> tuple[Simulator, str]:
         f"TB/s, {gpu.flops / 1e12:.0f} TFLOP/s), {num_blocks} KV blocks of {block_size} "
         f"tokens ({num_blocks * block_size:,} tokens)"
     )
-    return sim, headline
+    return make, headline
 
 
 if __name__ == "__main__":

@@ -155,6 +155,8 @@ class SimResult:
     num_steps: int
     num_preemptions: int
     prefix_hit_rate: float
+    replicas: list[SimResult] | None = None  # a fleet's: each replica's own
+    routed: list[int] | None = None  # a fleet's: the requests routed to each replica
 
     @property
     def duration(self) -> float:
@@ -164,8 +166,10 @@ class SimResult:
         return max(r.finish for r in self.requests) - min(r.arrival for r in self.requests)
 
     def summary(self) -> dict:
+        fleet = {} if self.routed is None else {"replicas": len(self.routed), "routed": self.routed}
         return {
             **summarize(self.requests, self.itl),
+            **fleet,
             "rejected": len(self.rejected),
             "steps": self.num_steps,
             "preemptions": self.num_preemptions,
@@ -254,6 +258,11 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"{name + ' (ms)':20}"
             + "".join(f"{row[k] * 1e3:10.1f}" for k in ("mean", "p50", "p90", "p99"))
+        )
+    if "routed" in summary:
+        lines.append(
+            f"replicas            {summary['replicas']}, requests routed to each: "
+            + ", ".join(str(n) for n in summary["routed"])
         )
     if "preemptions" in summary:
         lines.append(

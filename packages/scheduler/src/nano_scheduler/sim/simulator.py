@@ -17,8 +17,9 @@ output length, as with ignore_eos.
 
 from __future__ import annotations
 
+import math
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from nano_kvcache import BlockManager
 from nano_scheduler.config import SchedulerConfig
@@ -34,6 +35,10 @@ _SAMPLED_TOKEN = 1  # what the simulated model emits (requests stop on length, n
 
 
 class Simulator:
+    """One engine (its scheduler, block manager and loop) on the virtual clock. ``run``
+    simulates a whole workload; a fleet of them (``nano_scheduler.sim.fleet``) is driven
+    iteration by iteration through ``iterations``, with requests sent as they are routed."""
+
     def __init__(
         self,
         requests: list[Request],
@@ -60,51 +65,96 @@ class Simulator:
         self.now = 0.0
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, clock=lambda: self.now)
+        self.host = ServerHost(server, self._receive) if server else OfflineHost(self._receive)
+        # Iterations never fast-forward past this time (a fleet's next arrival, which may
+        # be routed here).
+        self.horizon = math.inf
+        # (seconds, [(seq_id, finished)]) of each step's outputs as the loop publishes them,
+        # and the index of a request the scheduler refused: a fleet's router follows both.
+        self.on_publish: Callable[[float, list[tuple[int, bool]]], None] | None = None
+        self.on_reject: Callable[[int], None] | None = None
+        self.records: list[RequestRecord] = []
+        self.rejected: list[tuple[int, str]] = []
+        self.itl = array("d")
+        self.timeline = Timeline()
+        self.num_steps = 0
+        self._first_token: dict[int, float] = {}
+        self._last_token: dict[int, float] = {}
+        self._ended: dict[int, Sequence] = {}  # finished, their last output not received yet
+        self._progress: Callable[[int, int], None] | None = None
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         """Simulate until every request has finished; ``progress(done, total)`` after each."""
-        sched, bm, cost = self.scheduler, self.block_manager, self.cost_model
-        total = len(self.requests)
-        records: list[RequestRecord] = []
-        rejected: list[tuple[int, str]] = []
-        itl = array("d")
-        first_token: dict[int, float] = {}
-        last_token: dict[int, float] = {}
-        ended_seqs: dict[int, Sequence] = {}  # finished, their last output not received yet
+        self._progress = (lambda done: progress(done, len(self.requests))) if progress else None
+        for position in range(len(self.requests)):
+            self.send(position)
+        for t in self.iterations():
+            if t == math.inf:
+                break
+        return self.result()
 
-        def receive(seq_id: int, when: float, finished: bool) -> None:
-            previous = last_token.get(seq_id)
-            if previous is None:
-                first_token[seq_id] = when
-            else:
-                itl.append(when - previous)
-            last_token[seq_id] = when
-            if finished:
-                seq = ended_seqs.pop(seq_id)
-                records.append(self._record(seq, first_token, when))
-                del last_token[seq_id]
-                if progress is not None:
-                    progress(len(records), total)
+    def send(self, position: int) -> None:
+        """Send the request at ``position`` (in arrival order) at its arrival time."""
+        req = self.requests[position]
+        self.host.send(req.arrival_time, position, req.prompt_len)
 
-        host = ServerHost(self.server, receive) if self.server else OfflineHost(receive)
-        for position, req in enumerate(self.requests):
-            host.send(req.arrival_time, position, req.prompt_len)
-        timeline = Timeline()
+    def result(self) -> SimResult:
+        t = self.host.drain(self.now)
+        self.now = max(self.now, t)
+        return SimResult(
+            self.records,
+            self.rejected,
+            self.itl,
+            self.timeline,
+            self.num_steps,
+            self.scheduler.num_preemptions,
+            self.block_manager.stats().hit_rate,
+        )
+
+    def _receive(self, seq_id: int, when: float, finished: bool) -> None:
+        previous = self._last_token.get(seq_id)
+        if previous is None:
+            self._first_token[seq_id] = when
+        else:
+            self.itl.append(when - previous)
+        self._last_token[seq_id] = when
+        if finished:
+            seq = self._ended.pop(seq_id)
+            self.records.append(self._record(seq, self._first_token, when))
+            del self._last_token[seq_id]
+            if self._progress is not None:
+                self._progress(len(self.records))
+
+    def _publish(self, t: float, streams: list[tuple[int, bool]]) -> None:
+        self.host.publish(t, streams)
+        if self.on_publish is not None:
+            self.on_publish(t, streams)
+
+    def iterations(self) -> Iterator[float]:
+        """The engine's loop, one iteration per item: the clock where the next iteration
+        starts (requests sent by then are taken in first), or inf while nothing is accepted
+        and nothing is on its way (the loop idles until a request is sent)."""
+        sched, bm, cost, host = self.scheduler, self.block_manager, self.cost_model, self.host
+        timeline = self.timeline
         sync_device, overlap = cost.synchronous, self.async_scheduling
         t = device_free = 0.0  # the loop thread's clock; when the device's queued work ends
         in_flight: tuple[PendingStep, float] | None = None  # a launched step, its device end
-        added = num_steps = 0
-        while added < total or sched.has_unfinished() or in_flight is not None:
+        while True:
             if in_flight is None and not sched.has_unfinished():
-                t = host.next_accept(t)  # idle until the next request is in
+                nxt = host.next_accept(t)  # idle until the next request is in
+                if nxt == math.inf:
+                    yield nxt
+                    continue
+                t = nxt
+            self.now = t
+            yield t
             for position in host.accepted(t):
-                self._add(position, rejected)
-                added += 1
+                self._add(position)
             if overlap and not sync_device and in_flight is not None and not sched.waiting:
                 clocks = self._steady_decodes(host, in_flight, t, device_free, timeline)
                 if clocks is not None:
                     t, device_free, in_flight, steps = clocks
-                    num_steps += steps
+                    self.num_steps += steps
                     continue
             self.now = t
             out = sched.schedule() if sched.has_unfinished() else None
@@ -142,7 +192,7 @@ class Simulator:
                     device_end = device_free = max(forward_end, t) + step.sample
                 self.now = t
                 advanced = sched.advance(out)
-                num_steps += 1
+                self.num_steps += 1
                 if overlap:
                     in_flight = (advanced, device_end)
                 else:
@@ -154,14 +204,15 @@ class Simulator:
             elif pending is not None:
                 t = host.cpu(t, post)
             t = host.cpu(t, publish)
+            self.now = t
             if outputs:
                 for seq in done:
-                    ended_seqs[seq.seq_id] = seq
+                    self._ended[seq.seq_id] = seq
                 streams = [(s.seq_id, s.is_finished and s in done) for s in resolved]
                 for seq in ended:
-                    ended_seqs[seq.seq_id] = seq
+                    self._ended[seq.seq_id] = seq
                     streams.append((seq.seq_id, True))
-                host.publish(t, streams)
+                self._publish(t, streams)
             if step is not None:
                 timeline.record(
                     t,
@@ -171,10 +222,6 @@ class Simulator:
                     len(sched.running),
                     len(sched.waiting),
                 )
-        host.drain(t)
-        return SimResult(
-            records, rejected, itl, timeline, num_steps, sched.num_preemptions, bm.stats().hit_rate
-        )
 
     def _steady_decodes(self, host, in_flight, t: float, device_free: float, timeline):
         """Run, without the scheduler, the iterations that would repeat the step in flight
@@ -214,15 +261,16 @@ class Simulator:
         cpu, free, publish_to, record, accepted_by = (
             host.cpu,
             host.free,
-            host.publish,
+            self._publish,
             timeline.record,
             host.accepted_by,
         )
+        horizon = self.horizon
         launch, resolve_and_sample = step.schedule + step.launch, post + step.sample_host
         forward, sample = step.forward, step.sample
         done = 0
         while done < steps:
-            if done and accepted_by(t):  # (the loop takes a request in here)
+            if done and (accepted_by(t) or t >= horizon):  # (a request may come in here)
                 break
             start = t
             t = cpu(t, launch)
@@ -274,11 +322,13 @@ class Simulator:
             seq.finish_reason.value,
         )
 
-    def _add(self, position: int, rejected: list[tuple[int, str]]) -> None:
+    def _add(self, position: int) -> None:
         req, index = self.requests[position], self._index[position]
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
         seq = Sequence(index, req.token_ids(index, self.seed), params, req.arrival_time)
         try:
             self.scheduler.add(seq)
         except ValueError as e:
-            rejected.append((index, str(e)))
+            self.rejected.append((index, str(e)))
+            if self.on_reject is not None:
+                self.on_reject(index)
