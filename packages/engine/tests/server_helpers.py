@@ -20,9 +20,11 @@ def _limit_files(soft: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def vllm_metric(name: str, model: str, **labels: str) -> str:
-    """The key of a vLLM metric in ``ServerProcess.metrics()``."""
-    items = ",".join(f"{k}={v}" for k, v in sorted({"model_name": model, **labels}.items()))
+def vllm_metric(name: str, model: str, engine: str = "0", **labels: str) -> str:
+    """The key of a vLLM metric of one engine (a data-parallel replica) in
+    ``ServerProcess.metrics()``."""
+    labels = {"model_name": model, "engine": engine, **labels}
+    items = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     return f"vllm:{name}{{{items}}}"
 
 

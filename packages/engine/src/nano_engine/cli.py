@@ -21,10 +21,18 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from nano_engine._version import __version__
-from nano_engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from nano_engine.config import (
+    ATTENTION_BACKENDS,
+    DATA_PARALLEL_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    EngineConfig,
+)
 from nano_engine.reasoning import PARSERS as REASONING_PARSERS
 from nano_engine.tool_calls import FORMATS as TOOL_FORMATS
 from nano_scheduler.config import POLICIES
+from nano_scheduler.router import ROUTERS
 
 
 def _number(kind: type, text: str) -> int | float:
@@ -206,6 +214,32 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         "output's constraint after it",
         str,
         tuple(sorted(REASONING_PARSERS)),
+    ),
+    "data_parallel_size": EngineOption(
+        ("--data-parallel-size", "-dp"),
+        "engine replicas, each with its own GPU(s), behind one server (or LLM)",
+        _positive,
+    ),
+    "data_parallel_backend": EngineOption(
+        ("--data-parallel-backend",),
+        "ray: replicas as Ray actors (pip install nano-engine[ray]; one host or a cluster); "
+        "mp: processes of this host",
+        str,
+        DATA_PARALLEL_BACKENDS,
+    ),
+    "data_parallel_address": EngineOption(
+        ("--data-parallel-address",),
+        "the Ray cluster to place replicas on, as ray.init takes it (default: the one this "
+        "process is connected to, else a local one started here)",
+        str,
+        metavar="ADDRESS",
+    ),
+    "router": EngineOption(
+        ("--router",),
+        "how requests are spread over replicas: the fewest outstanding tokens, the replica "
+        "that holds the prompt's prefix (within a load bound), or in turn",
+        str,
+        tuple(sorted(ROUTERS)),
     ),
 }
 
@@ -551,6 +585,8 @@ def bench(args: argparse.Namespace) -> int:
         args.bench_seed, args.num_seqs, args.input_len, args.output_len
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    if args.step_log and kwargs["data_parallel_size"] > 1:
+        raise ValueError("--step-log records one engine's loop: not with --data-parallel-size")
     status(f"loading {args.model} ...")
     with LLM(args.model, **kwargs) as llm:
         # Warm-up: prefill, mixed and decode steps of several sizes, so that nothing is
@@ -563,22 +599,29 @@ def bench(args: argparse.Namespace) -> int:
         status(f"warming up ({len(warm)} sequences, not timed) ...")
         llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True))
         engine = llm.engine
+
+        def state() -> list[dict]:  # (each replica's)
+            described = engine.describe()
+            return described if isinstance(described, list) else [described]
+
         times, hits = [], []
-        blocks = engine.scheduler.block_manager
         for run in range(args.repeat):
             status(f"timed run {run + 1} of {args.repeat}: {len(prompts)} sequences ...")
             # Every run computes its prompts afresh, as the single run of nano-vllm's benchmark
             # does: nothing found in the prefix cache from the run before.
             llm.reset_prefix_cache()
-            engine.stats.__init__()
             if args.step_log:
                 engine.record_steps(args.step_log)
-            start, hit = time.perf_counter(), blocks.hit_tokens
+            before = state()
+            start = time.perf_counter()
             outputs = llm.generate(prompts, params)
             times.append(time.perf_counter() - start)
-            hits.append(blocks.hit_tokens - hit)
+            after = state()
+            hits.append(_delta(before, after, "prefix_cache_hit_tokens"))
         elapsed = min(times)
-        stats = engine.stats
+        steps = _delta(before, after, "steps")
+        host, device = (_delta(before, after, k) for k in ("host_seconds", "device_seconds"))
+        first = after[0]
         result = {
             "num_seqs": args.num_seqs,
             "input_tokens": sum(len(p) for p in prompts),
@@ -586,15 +629,16 @@ def bench(args: argparse.Namespace) -> int:
             "seconds": elapsed,
             "seconds_each_run": times,
             "prefix_cache_hit_tokens_each_run": hits,
-            "steps": stats.steps,
-            "host_share": stats.host_share,
-            "kv_blocks": engine.runner.num_blocks,
-            "kv_tokens": engine.runner.num_blocks * engine.config.kvcache_block_size,
-            "preemptions": engine.scheduler.num_preemptions,
-            "attention_backend": engine.runner.backend.name,
-            "cuda_graphs": engine.runner.graphs is not None,
-            "async_scheduling": engine.async_scheduling,
-            "device": str(engine.runner.device),
+            "steps": steps,  # (of the last run, every replica's)
+            "host_share": host / (host + device) if host + device else 0.0,
+            "replicas": len(after),
+            "kv_blocks": first["kv_blocks"],  # (each replica's)
+            "kv_tokens": first["kv_tokens"],
+            "preemptions": sum(d["preemptions"] for d in after),
+            "attention_backend": first["attention_backend"],
+            "cuda_graphs": first["cuda_graphs"],
+            "async_scheduling": first["async_scheduling"],
+            "device": ", ".join(d["device"] for d in after),
         }
         engine.stop_recording()
     result["output_tok_per_s"] = result["output_tokens"] / elapsed
@@ -606,16 +650,22 @@ def bench(args: argparse.Namespace) -> int:
     )
     if len(times) > 1:
         print("runs: " + ", ".join(f"{t:.2f}s" for t in times))
+    replicas = f" x {result['replicas']} replicas" if result["replicas"] > 1 else ""
     print(
-        f"steps: {stats.steps}, host share of step time: {stats.host_share:.1%} (async "
+        f"steps: {result['steps']}, host share of step time: {result['host_share']:.1%} (async "
         f"scheduling: {result['async_scheduling']}), KV capacity: "
-        f"{result['kv_blocks']} blocks = {result['kv_tokens']:,} tokens, preemptions: "
+        f"{result['kv_blocks']} blocks = {result['kv_tokens']:,} tokens{replicas}, preemptions: "
         f"{result['preemptions']}, attention: {result['attention_backend']}, CUDA graphs: "
         f"{result['cuda_graphs']}, prefix cache hits: {max(hits)} tokens"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _delta(before: list[dict], after: list[dict], key: str):
+    """How much ``key`` grew over a run, summed over the replicas."""
+    return sum(a[key] - b[key] for a, b in zip(after, before))
 
 
 def auto_tool_parser(args: argparse.Namespace) -> str | None:
@@ -639,8 +689,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from nano_engine.config import EngineConfig
-    from nano_engine.engine import LLMEngine
+    from nano_engine.data_parallel import start_engine
     from nano_engine.server import bind
     from nano_engine.server import serve as run_server
 
@@ -653,7 +702,12 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"nano-engine: error: {e.strerror}", file=sys.stderr)
         return 1
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    if args.step_log and config.data_parallel_size > 1:
+        raise ValueError(
+            "--step-log records one engine's loop: it does not go with --data-parallel-size"
+        )
+    engine = start_engine(config)
     if args.step_log:  # (the server's event loop runs in this thread)
         engine.record_steps(args.step_log, watch=threading.main_thread())
     return run_server(
@@ -694,6 +748,11 @@ def profile(args: argparse.Namespace) -> int:
                 "install it, or pass --no-server"
             ) from None
     config = EngineConfig.from_kwargs(args.model, **kwargs)
+    if config.data_parallel_size > 1:
+        raise ValueError(
+            "profile measures one engine (nano-sim simulates replicas of it: nano-sim "
+            "--replicas): drop --data-parallel-size"
+        )
     bars = Bars()
     result = profile_engine(config, quick=args.quick, server=not args.no_server, progress=bars)
     bars.close()

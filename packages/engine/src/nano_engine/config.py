@@ -9,10 +9,12 @@ from pathlib import Path
 
 from nano_engine import hub
 from nano_engine.reasoning import PARSERS
+from nano_scheduler.router import ROUTERS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
+DATA_PARALLEL_BACKENDS = ("ray", "mp")
 # nano_models' attention backends (its BACKEND_NAMES; named here so that the command line's
 # help does not import torch)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -34,6 +36,11 @@ class EngineConfig:
     with tensor parallelism rank 0 broadcasts them to the workers); default on.
     reasoning_parser (``qwen3``, ``deepseek_r1``): chat outputs split into reasoning and
     content, and a structured output's constraint applies once the reasoning has ended.
+    data_parallel_size: engine replicas, each with its own device(s) (tensor_parallel_size
+    GPUs), behind one front that routes each request by ``router`` (``nano_scheduler.router``:
+    least_tokens, prefix_aware, round_robin); data_parallel_backend ``ray`` places them as Ray
+    actors (on the Ray cluster at data_parallel_address, else one started here), ``mp`` as
+    processes of this host.
     """
 
     model: str
@@ -60,6 +67,10 @@ class EngineConfig:
     max_logprobs: int = 20
     reasoning_parser: str | None = None
     revision: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "ray"
+    data_parallel_address: str | None = None
+    router: str = "least_tokens"
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -82,6 +93,7 @@ class EngineConfig:
             "max_num_seqs",
             "tensor_parallel_size",
             "kvcache_block_size",
+            "data_parallel_size",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,6 +113,8 @@ class EngineConfig:
             ("device", DEVICES),
             ("load_format", LOAD_FORMATS),
             ("attention_backend", ATTENTION_BACKENDS),
+            ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
+            ("router", tuple(sorted(ROUTERS))),
         ):
             if getattr(self, name) not in allowed:
                 yield f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
@@ -114,6 +128,15 @@ class EngineConfig:
             yield f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}"
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             yield f"revision must be a non-empty string or None, got {self.revision!r}"
+        if self.data_parallel_address is not None and (
+            not isinstance(self.data_parallel_address, str) or not self.data_parallel_address
+        ):
+            yield (
+                "data_parallel_address must be a non-empty string or None, got "
+                f"{self.data_parallel_address!r}"
+            )
+        elif self.data_parallel_address is not None and self.data_parallel_backend != "ray":
+            yield "data_parallel_address is a Ray cluster's: it needs data_parallel_backend 'ray'"
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             yield (
                 f"reasoning_parser must be one of {sorted(PARSERS)} or None, got "

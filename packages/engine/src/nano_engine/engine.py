@@ -37,7 +37,7 @@ from nano_engine.requests import (
     reasoning_tokens,
 )
 from nano_engine.sampler import SampledTokens, Sampler, prompt_logprobs
-from nano_engine.stats import StatsLog, StepStats
+from nano_engine.stats import EngineStats, StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
 from nano_engine.structured import ENDED, REJECTED, GrammarCompiler, GrammarWork, TokenMasks
@@ -117,7 +117,8 @@ class LLMEngine:
             mc.vocab_size,
             self.max_model_len,
             config.max_logprobs,
-            self.block_manager,
+            self.block_manager.num_blocks,
+            self.block_manager.block_size,
             GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)),
             reasoning_tokens(self.tokenizer, config.reasoning_parser),
         )
@@ -252,6 +253,27 @@ class LLMEngine:
     @property
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def replica_stats(self) -> list[EngineStats]:
+        """This engine's state for /metrics: one entry (a fleet has one per replica)."""
+        return [EngineStats.of(self.scheduler, self.alive)]
+
+    def describe(self) -> dict:
+        """What a benchmark reports of the engine: its cache, kernels and loop so far."""
+        runner, stats = self.runner, self.stats
+        return {
+            "kv_blocks": runner.num_blocks,
+            "kv_tokens": runner.num_blocks * self.config.kvcache_block_size,
+            "attention_backend": runner.backend.name,
+            "cuda_graphs": runner.graphs is not None,
+            "async_scheduling": self.async_scheduling,
+            "device": str(runner.device),
+            "steps": stats.steps,
+            "host_seconds": stats.host_seconds,
+            "device_seconds": stats.device_seconds,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
+        }
 
     # ---- the step loop (its own thread) ------------------------------------------------------
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence as SequenceABC
 
 from nano_engine.config import EngineConfig
-from nano_engine.engine import LLMEngine
+from nano_engine.data_parallel import start_engine
 from nano_engine.outputs import CompletionOutput, RequestOutput
 from nano_engine.streams import RequestStream
 from nano_scheduler import SamplingParams
@@ -22,7 +22,7 @@ class LLM:
 
     def __init__(self, model: str, **config) -> None:
         self.config = EngineConfig.from_kwargs(model, **config)
-        self.engine = LLMEngine(self.config)
+        self.engine = start_engine(self.config)
 
     @property
     def tokenizer(self):

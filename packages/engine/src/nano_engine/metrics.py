@@ -4,10 +4,11 @@ one process do not share counters)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from nano_engine.engine import LLMEngine
 from nano_engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -35,99 +36,160 @@ _LATENCY_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-class _EngineState:
-    """Read at scrape time from the engine: queues, KV usage, preemptions, prefix-cache
-    queries and hits (in tokens)."""
+class _Engine(NamedTuple):
+    """One engine's labelled series of the server's own metrics."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine, self.labels = engine, [model_name]
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    requests: dict
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+
+
+class _EngineState:
+    """Read at scrape time, per engine (each replica of a fleet): queues, KV usage,
+    preemptions, prefix-cache queries and hits (in tokens), whether it serves; and the
+    requests a fleet sent again after their replica stopped."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        stats = self.engine.scheduler.stats()
-        blocks = self.engine.scheduler.block_manager
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Sequences running in the engine.", stats.num_running),
-            ("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = all).", stats.kv_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric(self.labels, value)
-            yield gauge
-        for name, doc, value in (
-            (
-                "vllm:num_preemptions",
-                "Sequences preempted (recomputed later).",
-                stats.num_preemptions,
-            ),
-            (
-                "vllm:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                blocks.hit_tokens + blocks.miss_tokens,
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
-                blocks.hit_tokens,
-            ),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(self.labels, value)
-            yield counter
+        replicas = self.engine.replica_stats()
+        labels = [[self.model_name, str(i)] for i in range(len(replicas))]
+
+        def family(kind, name: str, doc: str, values):
+            metric = kind(name, doc, labels=["model_name", "engine"])
+            for label, value in zip(labels, values):
+                metric.add_metric(label, value)
+            return metric
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(
+            gauge,
+            "vllm:num_requests_running",
+            "Sequences running in the engine.",
+            [s.running for s in replicas],
+        )
+        yield family(
+            gauge,
+            "vllm:num_requests_waiting",
+            "Sequences waiting to be scheduled.",
+            [s.waiting for s in replicas],
+        )
+        yield family(
+            gauge,
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (1 = all).",
+            [s.kv_usage for s in replicas],
+        )
+        yield family(
+            counter,
+            "vllm:num_preemptions",
+            "Sequences preempted (recomputed later).",
+            [s.preemptions for s in replicas],
+        )
+        yield family(
+            counter,
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            [s.prefix_queries for s in replicas],
+        )
+        yield family(
+            counter,
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            [s.prefix_hits for s in replicas],
+        )
+        yield family(
+            gauge,
+            "nano_engine:engine_serving",
+            "Whether the engine (a data-parallel replica) serves: 1, or 0 once it stopped.",
+            [float(s.serving) for s in replicas],
+        )
+        retries = CounterMetricFamily(
+            "nano_engine:request_retries",
+            "Requests sent to another replica after theirs stopped before streaming anything.",
+            labels=["model_name"],
+        )
+        retries.add_metric([self.model_name], getattr(self.engine, "retries", 0))
+        yield retries
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineState(engine, model_name))
+        self.model_name = model_name
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(name, doc, ["model_name", *labels], registry=self.registry)
+            return Counter(name, doc, ["model_name", "engine", *labels], registry=self.registry)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(
-                name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry
+                name,
+                doc,
+                ["model_name", "engine"],
+                buckets=_LATENCY_BUCKETS,
+                registry=self.registry,
             )
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter(
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self._generation_tokens = counter(
             "vllm:generation_tokens", "Tokens generated for finished requests."
         )
-        requests = counter(
+        self._requests = counter(
             "vllm:request_success",
             "Finished sequences by finish reason (abort: the client left, or shutdown).",
             "finished_reason",
         )
-        self.requests = {r: requests.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram(
+        self._ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self._itl = histogram(
             "vllm:inter_token_latency_seconds",
             "Time between output tokens (each gap of a request counted at its mean).",
         )
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.")
-        for name in ("prompt_tokens", "generation_tokens", "ttft", "itl", "e2e"):
-            setattr(self, name, getattr(self, name).labels(model_name))
+        self._e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.")
+        self._engines: dict[int, _Engine] = {}
+        for i in range(len(engine.replica_stats())):
+            self.engine(i)  # (every engine's series from the start, at 0)
 
-    def observe(self, output: RequestOutput) -> None:
-        """A finished request (its whole output)."""
+    def engine(self, index: int) -> _Engine:
+        """The labelled children of engine ``index``'s series."""
+        if index not in self._engines:
+            labels = (self.model_name, str(index))
+            self._engines[index] = _Engine(
+                self._prompt_tokens.labels(*labels),
+                self._generation_tokens.labels(*labels),
+                {r: self._requests.labels(*labels, r) for r in FINISH_REASONS},
+                self._ttft.labels(*labels),
+                self._itl.labels(*labels),
+                self._e2e.labels(*labels),
+            )
+        return self._engines[index]
+
+    def observe(self, output: RequestOutput, engine: int = 0) -> None:
+        """A finished request (its whole output), served by engine (replica) ``engine``."""
+        e = self.engine(engine)
         m = output.metrics
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        e.prompt_tokens.inc(len(output.prompt_token_ids))
         generated = sum(len(o.token_ids) for o in output.outputs)
-        self.generation_tokens.inc(generated)
+        e.generation_tokens.inc(generated)
         for o in output.outputs:
-            self.requests[o.finish_reason if o.finish_reason in self.requests else "abort"].inc()
+            e.requests[o.finish_reason if o.finish_reason in e.requests else "abort"].inc()
         if m.get("first_token_time"):
-            self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            e.ttft.observe(m["first_token_time"] - m["arrival_time"])
             per_seq = generated // max(1, len(output.outputs))
             if per_seq > 1:
                 gap = (m["last_token_time"] - m["first_token_time"]) / (per_seq - 1)
                 for _ in range(per_seq - 1):
-                    self.itl.observe(gap)
-        self.e2e.observe(m["last_token_time"] - m["arrival_time"])
+                    e.itl.observe(gap)
+        e.e2e.observe(m["last_token_time"] - m["arrival_time"])
 
-    def aborted(self, sequences: int) -> None:
+    def aborted(self, sequences: int, engine: int = 0) -> None:
         """Sequences that ended unfinished (their client left, or the server shut down)."""
         if sequences:
-            self.requests["abort"].inc(sequences)
+            self.engine(engine).requests["abort"].inc(sequences)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,6 @@ from nano_engine.detokenizer import IncrementalDetokenizer
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.streams import RequestStream
 from nano_engine.structured import GrammarCompiler
-from nano_kvcache import BlockManager
 from nano_models import ModelConfig
 from nano_scheduler import FinishReason, SamplingParams, Scheduler, Sequence
 
@@ -229,9 +228,21 @@ def reasoning_tokens(tokenizer, parser_name: str | None) -> tuple[int, int] | No
     return ids[0], ids[1]
 
 
+@dataclass(frozen=True)
+class Validated:
+    """A request's input, checked against one engine (``RequestFactory.validate``)."""
+
+    text: str | None  # the prompt, when given as text
+    token_ids: list[int]
+    params: SamplingParams
+    bad_words: list[tuple[int, ...]] | None
+    grammar: object | None  # the compiled structured output, if asked for
+
+
 class RequestFactory:
     """Builds validated requests for one engine: its tokenizer, vocabulary, model length and
-    cache size; sequence and request ids unique within it."""
+    cache size (``num_blocks`` of ``block_size`` tokens); sequence and request ids unique
+    within it."""
 
     def __init__(
         self,
@@ -239,7 +250,8 @@ class RequestFactory:
         vocab_size: int,
         max_model_len: int,
         max_logprobs: int,
-        block_manager: BlockManager,
+        num_blocks: int,
+        block_size: int,
         grammars: GrammarCompiler,
         reasoning: tuple[int, int] | None = None,
     ) -> None:
@@ -249,7 +261,7 @@ class RequestFactory:
         self.grammars = grammars
         self.reasoning = reasoning
         self.max_model_len, self.max_logprobs = max_model_len, max_logprobs
-        self.block_manager = block_manager
+        self.num_blocks, self.block_size = num_blocks, block_size
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -266,53 +278,8 @@ class RequestFactory:
         ``stream_deltas`` False its stream gets a single output, when it finishes. With
         ``reasoning`` (a chat, with a reasoning parser), a structured output's grammar applies
         from the end of the model's reasoning."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) + 1 > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) is longer than the maximum model "
-                f"length of {self.max_model_len} tokens (with at least one token to "
-                "generate)"
-            )
-        needed = self.block_manager.num_blocks_for(len(ids) + 1)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) needs {needed} KV blocks, more than "
-                f"the cache holds ({self.block_manager.num_blocks})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        vocab = self.vocab_size
-        for name, given in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("logit_bias", params.logit_bias or ()),
-        ):
-            bad = [t for t in given if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
-        bad_words = self._bad_words(params.bad_words)
-        outside = sorted({t for word in bad_words or () for t in word if t >= vocab})
-        if outside:
-            raise ValueError(
-                f"bad_words tokenize to ids {outside[:5]} outside the model's vocabulary "
-                f"[0, {vocab})"
-            )
-        most = min(self.max_logprobs, vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > most:
-                raise ValueError(
-                    f"{name} ({value}) is over the engine's limit of {most} "
-                    "(max_logprobs, the vocabulary size)"
-                )
-        grammar = None
-        if params.structured_outputs is not None:  # (compiled here: off the step loop)
-            grammar = self.grammars.compile(params.structured_outputs)
+        valid = self.validate(prompt, params)
+        text, ids, params, grammar = valid.text, valid.token_ids, valid.params, valid.grammar
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         now = time.monotonic()
         seqs, detoks = [], []
@@ -354,9 +321,61 @@ class RequestFactory:
             stream_deltas=stream_deltas,
             matchers=None if grammar is None else [self.grammars.matcher(grammar) for _ in seqs],
             grammar_after=after,
-            bad_words=bad_words,
+            bad_words=valid.bad_words,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+
+    def validate(self, prompt, params=None) -> Validated:
+        """Tokenize and check a request's input (``ValueError`` / ``TypeError``), compiling its
+        structured output: here, off the step loop."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than the maximum model "
+                f"length of {self.max_model_len} tokens (with at least one token to "
+                "generate)"
+            )
+        needed = -(-(len(ids) + 1) // self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) needs {needed} KV blocks, more than "
+                f"the cache holds ({self.num_blocks})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        vocab = self.vocab_size
+        for name, given in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = [t for t in given if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad_words = self._bad_words(params.bad_words)
+        outside = sorted({t for word in bad_words or () for t in word if t >= vocab})
+        if outside:
+            raise ValueError(
+                f"bad_words tokenize to ids {outside[:5]} outside the model's vocabulary "
+                f"[0, {vocab})"
+            )
+        most = min(self.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                raise ValueError(
+                    f"{name} ({value}) is over the engine's limit of {most} "
+                    "(max_logprobs, the vocabulary size)"
+                )
+        grammar = None
+        if params.structured_outputs is not None:  # (compiled here: off the step loop)
+            grammar = self.grammars.compile(params.structured_outputs)
+        return Validated(text, ids, params, bad_words, grammar)
 
     def _bad_words(self, words) -> list[tuple[int, ...]] | None:
         """Each bad word as tokens, alone and after a space (as vLLM does)."""

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nano_engine._version import __version__
 from nano_engine.chat_reply import ChatReply
 from nano_engine.connections import Gate, error_body, error_response, http_protocol
-from nano_engine.engine import LLMEngine
 from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -53,6 +53,10 @@ from nano_engine.streams import EngineDeadError, RequestStream
 from nano_engine.structured import StructuredOutputsUnavailable
 from nano_engine.tool_calls import Named, Required, ToolFormat, get_tool_parser
 from nano_scheduler import SamplingParams
+
+if TYPE_CHECKING:
+    from nano_engine.data_parallel.fleet import Fleet
+    from nano_engine.engine import LLMEngine
 
 log = logging.getLogger("nano_engine.server")
 
@@ -84,7 +88,7 @@ class Server:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Fleet,
         model_name: str,
         max_queue: int = 1024,
         max_request_entries: int = 1 << 20,
@@ -309,12 +313,10 @@ class Server:
         finally:
             self._readers.discard(wake)
             gone.cancel()
-            aborted = 0
             for i, stream in enumerate(streams):
                 if not stream.finished:
                     self.engine.abort(stream.request_id)
-                    aborted += n - done[i]
-            self.metrics.aborted(aborted)
+                    self.metrics.aborted(n - done[i], stream.engine_index)
 
     async def _collect(self, streams, raw, n: int) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(streams)
@@ -325,8 +327,8 @@ class Server:
             raise APIError(503, str(e), "service_unavailable") from e
         except ConnectionAbortedError:
             raise APIError(499, "the client closed the connection") from None
-        for out in results:
-            self.metrics.observe(out)
+        for out, stream in zip(results, streams):
+            self.metrics.observe(out, stream.engine_index)
         return results
 
     # ---- completions -------------------------------------------------------------------------
@@ -399,7 +401,7 @@ class Server:
                 _entries([delta], body.logprobs), INLINE_ENTRIES, render, i, delta
             )
             if delta.finished:
-                self.metrics.observe(totals[i])
+                self.metrics.observe(totals[i], streams[i].engine_index)
         if body.include_usage:
             yield _event({**head, "choices": [], "usage": _usage(totals)})
 
@@ -551,7 +553,7 @@ class Server:
                 _entries([delta], params.logprobs), INLINE_ENTRIES, render, delta
             )
             if delta.finished:
-                self.metrics.observe(total)
+                self.metrics.observe(total, streams[0].engine_index)
         if body.include_usage:
             yield _event({**head, "choices": [], "usage": _usage([total])})
 
@@ -785,7 +787,7 @@ def _usage(outputs: list[RequestOutput]) -> dict:
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | Fleet,
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 1 << 20,
@@ -833,7 +835,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    engine: LLMEngine,
+    engine: LLMEngine | Fleet,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,

@@ -6,10 +6,36 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from nano_scheduler import Scheduler
 
 log = logging.getLogger("nano_engine")
+
+
+class EngineStats(NamedTuple):
+    """An engine's state as /metrics shows it (one per replica of a fleet)."""
+
+    serving: bool
+    running: int  # sequences
+    waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # and found there
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, serving: bool) -> EngineStats:
+        stats, blocks = scheduler.stats(), scheduler.block_manager
+        return cls(
+            serving,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_usage,
+            stats.num_preemptions,
+            blocks.hit_tokens + blocks.miss_tokens,
+            blocks.hit_tokens,
+        )
 
 
 @dataclass

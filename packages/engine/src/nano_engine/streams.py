@@ -28,6 +28,7 @@ class RequestStream:
         self._notify = notify
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.finished = False
+        self.engine_index = 0  # the replica that serves it, in a fleet
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called by the engine's thread."""

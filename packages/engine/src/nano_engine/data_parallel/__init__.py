@@ -1,0 +1,53 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas behind one front (``Fleet``), on
+Ray (actors in a placement group, on one host or a cluster) or on this host's processes.
+
+``start_engine(config)`` is what ``LLM`` and ``nano-engine serve`` call: one ``LLMEngine``, or a
+``Fleet`` when the config asks for several replicas.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+from nano_engine.config import EngineConfig
+from nano_engine.data_parallel.replica import ReplicaHandle
+
+# (module, class) of each backend, imported when chosen: Ray is an optional dependency
+BACKENDS = {
+    "mp": ("nano_engine.data_parallel.processes", "ProcessBackend"),
+    "ray": ("nano_engine.data_parallel.ray_actors", "RayBackend"),
+}
+
+
+class Backend(ABC):
+    """Starts the replicas of a fleet and stops them (and what it set up for them)."""
+
+    @abstractmethod
+    def start(self, config: EngineConfig) -> list[ReplicaHandle]:
+        """``config.data_parallel_size`` replicas, each started (its engine loaded), or an
+        error naming the one that did not start (the others stopped)."""
+
+    @abstractmethod
+    def stop(self, replicas: list[ReplicaHandle]) -> None:
+        """Shut every replica down, then release what ``start`` took."""
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown data_parallel_backend {name!r}; choose one of {sorted(BACKENDS)}"
+        )
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def start_engine(config: EngineConfig):
+    """The engine ``config`` describes: an ``LLMEngine``, or a ``Fleet`` of replicas."""
+    if config.data_parallel_size > 1:
+        from nano_engine.data_parallel.fleet import Fleet
+
+        return Fleet(config)
+    from nano_engine.engine import LLMEngine
+
+    return LLMEngine(config)

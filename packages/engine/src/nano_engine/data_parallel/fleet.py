@@ -1,0 +1,342 @@
+"""The front of data-parallel serving: ``data_parallel_size`` engine replicas, each in its own
+process with its own GPU(s), behind the interface of one ``LLMEngine`` (``make_request``,
+``submit``, ``abort``, streams), which the server and ``LLM`` use unchanged.
+
+Requests are validated and tokenized here, routed by ``nano_scheduler.router`` (the policy
+nano-sim's fleet uses), and sent to their replica; a thread per replica fetches its outputs in
+batches and publishes them to the requests' streams, in this process's clock. A replica that
+stops (its process died, its engine failed) is seen by that thread at once: its requests that
+had streamed nothing yet go once to another replica, the others end with an error, and the
+fleet serves on with the rest (``alive`` while one serves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nano_engine.config import EngineConfig
+from nano_engine.data_parallel.replica import Batch, ReplicaGone, ReplicaHandle, RequestSpec
+from nano_engine.outputs import RequestOutput
+from nano_engine.requests import RequestFactory, eos_token_ids, load_tokenizer, reasoning_tokens
+from nano_engine.stats import EngineStats
+from nano_engine.streams import EngineDeadError, RequestStream, publish
+from nano_engine.structured import GrammarCompiler
+from nano_models import ModelConfig
+from nano_scheduler import SamplingParams
+from nano_scheduler.router import NoReplicaError, make_router, request_cost
+
+log = logging.getLogger("nano_engine")
+
+
+@dataclass
+class FleetRequest:
+    """A request validated by the front (``Fleet.make_request``), not sent yet."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    stream_deltas: bool
+    reasoning: bool
+    arrival: float = field(default_factory=time.monotonic)
+    replica: int = -1  # where it runs
+    first_token: float = 0.0  # when its first generated token came (this process's clock)
+    streamed: bool = False  # whether an output went to its stream
+    retried: bool = False  # whether it was sent again after its replica stopped
+
+    def spec(self) -> RequestSpec:
+        return RequestSpec(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            self.params,
+            self.stream_deltas,
+            self.reasoning,
+        )
+
+
+class Fleet:
+    """``config.data_parallel_size`` replicas of ``config``'s engine on the backend it names
+    (``ray`` actors in placement groups, or ``mp`` processes of this host)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from nano_engine.data_parallel import get_backend
+
+        self.config = config
+        self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config)
+        eos = eos_token_ids(config, mc, self.tokenizer)
+        self.backend = get_backend(config.data_parallel_backend)
+        self.replicas: list[ReplicaHandle] = self.backend.start(config)
+        infos = [r.info for r in self.replicas]
+        self.max_model_len = min(i.max_model_len for i in infos)
+        num_blocks = min(i.num_blocks for i in infos)  # (a request must fit any replica)
+        self.request_factory = RequestFactory(
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            config.max_logprobs,
+            num_blocks,
+            config.kvcache_block_size,
+            GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(eos)),
+            reasoning_tokens(self.tokenizer, config.reasoning_parser),
+        )
+        n = len(self.replicas)
+        self.router = make_router(config.router, n, config.kvcache_block_size)
+        self.retries = 0  # requests sent again after their replica stopped
+        self._lock = threading.Lock()
+        self._requests: dict[str, FleetRequest] = {}
+        self._stats = [EngineStats(True, 0, 0, 0.0, 0, 0, 0) for _ in range(n)]
+        self._why: list[str | None] = [None] * n  # why each replica stopped
+        self._ids = itertools.count()
+        self._stopping = False
+        self._readers = [
+            threading.Thread(
+                target=self._read, args=(replica,), name=f"nano-fleet-{i}", daemon=True
+            )
+            for i, replica in enumerate(self.replicas)
+        ]
+        for thread in self._readers:
+            thread.start()
+        log.info(
+            "serving with %d replicas (%s routing): %s",
+            n,
+            config.router,
+            "; ".join(r.describe() for r in self.replicas),
+        )
+
+    # ---- the engine's interface ----------------------------------------------------------------
+
+    def add_request(self, prompt, params=None, request_id=None, notify=None) -> RequestStream:
+        request = self.make_request(prompt, params, request_id, notify)
+        self.submit([request])
+        return request.stream
+
+    def make_request(
+        self,
+        prompt,
+        params=None,
+        request_id=None,
+        notify=None,
+        stream_deltas: bool = True,
+        reasoning: bool = False,
+    ) -> FleetRequest:
+        """As ``LLMEngine.make_request``: validated here, run on the replica it is routed to."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        valid = self.request_factory.validate(prompt, params)
+        request_id = request_id if request_id is not None else f"fleet-{next(self._ids)}"
+        return FleetRequest(
+            request_id,
+            valid.text,
+            valid.token_ids,
+            valid.params,
+            RequestStream(request_id, notify),
+            stream_deltas,
+            reasoning,
+        )
+
+    def submit(self, requests: list[FleetRequest]) -> None:
+        with self._lock:
+            if not self.alive:
+                raise EngineDeadError(f"the engine is not running: {self.error}")
+            duplicate = [r.request_id for r in requests if r.request_id in self._requests]
+            if duplicate:
+                raise ValueError(f"request ids already in use: {duplicate}")
+            batches: dict[int, list[FleetRequest]] = {}
+            for request in requests:
+                replica = self._route(request)
+                self._requests[request.request_id] = request
+                batches.setdefault(replica, []).append(request)
+            self._send(batches)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is not None:
+                with contextlib.suppress(ReplicaGone):  # (its reader ends the request)
+                    self.replicas[request.replica].abort(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        return sum(r.call("reset_prefix_cache") for r in self._serving())
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(r.params.n for r in list(self._requests.values()))
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopping and any(why is None for why in self._why)
+
+    @property
+    def error(self) -> BaseException | None:
+        if self.alive:
+            return None
+        if self._stopping:
+            return EngineDeadError("the engine was shut down")
+        return EngineDeadError(
+            "no replica serves: "
+            + "; ".join(f"replica {i}: {why}" for i, why in enumerate(self._why))
+        )
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's state, as it last reported it (a stopped one: not serving)."""
+        return list(self._stats)
+
+    def describe(self) -> list[dict]:
+        """Each serving replica's ``LLMEngine.describe``."""
+        return [r.call("describe") for r in self._serving()]
+
+    def record_steps(self, *args, **kwargs):
+        raise ValueError(
+            "the step log records one engine's loop: run without data parallelism to record it"
+        )
+
+    def stop_recording(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        """Stop every replica; requests still running end with an error."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            left = list(self._requests.values())
+            self._requests.clear()
+        error = EngineDeadError("the engine stopped: it was shut down")
+        publish((r.stream, error) for r in left)
+        self.backend.stop(self.replicas)
+        for thread in self._readers:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- replicas ------------------------------------------------------------------------------
+
+    def _serving(self) -> list[ReplicaHandle]:
+        return [r for r, why in zip(self.replicas, self._why) if why is None]
+
+    def _route(self, request: FleetRequest, avoid: int | None = None) -> int:
+        params = request.params
+        most = params.max_tokens or self.max_model_len - len(request.prompt_token_ids)
+        cost = request_cost(len(request.prompt_token_ids), params.n, most)
+        replica = self.router.route(request.request_id, request.prompt_token_ids, cost, avoid)
+        request.replica = request.stream.engine_index = replica
+        return replica
+
+    def _send(self, batches: dict[int, list[FleetRequest]]) -> None:
+        """Send each replica its requests (under the lock, so that an abort follows them)."""
+        for replica, requests in batches.items():
+            # (one gone: its reader sends them on or ends them)
+            with contextlib.suppress(ReplicaGone):
+                self.replicas[replica].submit([r.spec() for r in requests])
+
+    def _read(self, replica: ReplicaHandle) -> None:
+        """The replica's outputs to their streams, until it ends (stopped, or shut down)."""
+        while True:
+            try:
+                batch = replica.poll()
+            except ReplicaGone as e:
+                self._lost(replica.index, str(e))
+                return
+            self._deliver(replica.index, batch)
+            if batch.error is not None:
+                self._lost(replica.index, f"its engine stopped: {batch.error}")
+                return
+
+    def _deliver(self, index: int, batch: Batch) -> None:
+        now = time.monotonic()
+        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        with self._lock:
+            self._stats[index] = batch.stats
+            for request_id, out in batch.outputs:
+                request = self._requests.get(request_id)
+                if request is None or request.replica != index:
+                    continue  # (ended here already, or sent to another replica)
+                if isinstance(out, str):
+                    if batch.error is not None:
+                        continue  # (the replica stopped: ``_lost`` decides)
+                    del self._requests[request_id]
+                    self.router.finish(request_id)
+                    items.append((request.stream, EngineDeadError(out)))
+                    continue
+                generated = sum(len(o.token_ids) for o in out.outputs)
+                if not request.streamed:
+                    generated += request.params.n * len(request.prompt_token_ids)
+                if generated and not request.first_token:
+                    request.first_token = now
+                self.router.progress(request_id, generated)
+                request.streamed = True
+                out.prompt, out.prompt_token_ids = request.prompt, request.prompt_token_ids
+                out.metrics = {  # (the replica's clock is not this process's)
+                    "arrival_time": request.arrival,
+                    "first_token_time": request.first_token,
+                    "last_token_time": now,
+                }
+                if out.finished:
+                    del self._requests[request_id]
+                    self.router.finish(request_id)
+                items.append((request.stream, out))
+        publish(items)
+
+    def _lost(self, index: int, why: str) -> None:
+        """Replica ``index`` stopped: its requests that streamed nothing go to another replica
+        (once), the rest end with an error."""
+        with self._lock:
+            if self._why[index] is not None or self._stopping:
+                return
+            self._why[index] = why
+            # (its counters stay as they were: Prometheus counters never go down)
+            self._stats[index] = self._stats[index]._replace(
+                serving=False, running=0, waiting=0, kv_usage=0.0
+            )
+            self.router.remove(index)
+            failed, batches = [], {}
+            for request in [r for r in self._requests.values() if r.replica == index]:
+                self.router.finish(request.request_id)
+                if not request.streamed and not request.retried:
+                    try:
+                        replica = self._route(request, avoid=index)
+                    except NoReplicaError:
+                        pass
+                    else:
+                        request.retried = True
+                        self.retries += 1
+                        batches.setdefault(replica, []).append(request)
+                        continue
+                del self._requests[request.request_id]
+                failed.append(request)
+            self._send(batches)
+        serving = sum(w is None for w in self._why)
+        log.error(
+            "%s stopped (%s): %d of its requests sent to other replicas, %d ended with an "
+            "error; %d of %d replicas serve",
+            self.replicas[index].describe(),
+            why,
+            sum(len(b) for b in batches.values()),
+            len(failed),
+            serving,
+            len(self.replicas),
+        )
+        error = EngineDeadError(
+            f"replica {index} stopped while serving this request ({why}); "
+            f"{serving} of {len(self.replicas)} replicas serve"
+        )
+        publish((r.stream, error) for r in failed)

@@ -1,0 +1,198 @@
+"""One data-parallel replica: an engine in its own process (a Ray actor, or a process of this
+host), and the handle through which the front reaches it.
+
+The front (``Fleet``) validates and routes a request, then sends the replica its spec
+(``RequestSpec``). The replica's ``ReplicaCore`` queues it in its ``LLMEngine`` and collects
+the outputs of all its requests as the loop publishes them; the front fetches them in batches
+(``outputs``: every output since the last fetch, a request's deltas merged, with the engine's
+state for /metrics), one round trip for any number of requests. Outputs travel without their
+prompt, which the front holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, replace
+
+from nano_engine.config import EngineConfig
+from nano_engine.outputs import RequestOutput
+from nano_engine.stats import EngineStats
+from nano_engine.streams import RequestStream
+from nano_scheduler import SamplingParams
+
+log = logging.getLogger("nano_engine")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated request, as the front sends it to a replica."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    stream_deltas: bool
+    reasoning: bool
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A started replica: where it runs and what its engine holds."""
+
+    pid: int
+    host: str
+    device: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a replica sends back: outputs (a message instead: the request failed there), its
+    engine's state, and why the engine stopped, if it did."""
+
+    outputs: list[tuple[str, RequestOutput | str]]
+    stats: EngineStats
+    error: str | None = None
+
+
+class ReplicaGone(RuntimeError):
+    """A replica's process ended, or cannot be reached."""
+
+
+class ReplicaCore:
+    """The engine of a replica, in the replica's process. Thread-safe: the front's calls may
+    come on several threads (``outputs`` long-polls on one while others submit)."""
+
+    def __init__(self, config: EngineConfig, index: int) -> None:
+        from nano_engine.engine import LLMEngine
+
+        self.index = index
+        self.engine = LLMEngine(config)
+        self._cond = threading.Condition()
+        self._ready: deque[RequestStream] = deque()
+        self._failed: list[tuple[str, str]] = []
+
+    def info(self) -> ReplicaInfo:
+        engine = self.engine
+        return ReplicaInfo(
+            os.getpid(),
+            socket.gethostname(),
+            str(engine.runner.device),
+            engine.block_manager.num_blocks,
+            engine.block_manager.block_size,
+            engine.max_model_len,
+        )
+
+    def submit(self, specs: list[RequestSpec]) -> None:
+        requests = []
+        for spec in specs:
+            try:
+                request = self.engine.make_request(
+                    spec.token_ids,
+                    spec.params,
+                    spec.request_id,
+                    self._notify,
+                    spec.stream_deltas,
+                    spec.reasoning,
+                )
+            except Exception as e:  # (the front validated it: an engine that stopped, say)
+                self._fail(spec.request_id, str(e))
+                continue
+            request.prompt = spec.text
+            requests.append(request)
+        if not requests:
+            return
+        try:
+            self.engine.submit(requests)
+        except Exception as e:
+            for request in requests:
+                self._fail(request.request_id, str(e))
+
+    def abort(self, request_id: str) -> None:
+        """(The transports keep the order of the front's calls: an abort comes after its
+        request's submission.)"""
+        self.engine.abort(request_id)
+
+    def outputs(self, timeout: float = 0.5) -> Batch:
+        """Every output since the last call (waiting up to ``timeout`` seconds for one)."""
+        with self._cond:
+            if not self._ready and not self._failed:
+                self._cond.wait(timeout)
+            ready, self._ready = self._ready, deque()
+            failed, self._failed = self._failed, []
+        from nano_engine.llm import merge_outputs
+
+        outputs: list[tuple[str, RequestOutput | str]] = list(failed)
+        seen = set()
+        for stream in ready:
+            if id(stream) in seen:
+                continue
+            seen.add(id(stream))
+            merged = None
+            try:
+                while not stream.finished and (delta := stream.get_nowait()) is not None:
+                    merged = delta if merged is None else merge_outputs(merged, delta)
+            except Exception as e:  # (the engine stopped: its error, for this request)
+                outputs.append((stream.request_id, str(e)))
+                continue
+            if merged is not None:
+                outputs.append(
+                    (stream.request_id, replace(merged, prompt=None, prompt_token_ids=[]))
+                )
+        error = self.engine.error
+        return Batch(outputs, self.engine.replica_stats()[0], None if error is None else str(error))
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _notify(self, stream: RequestStream) -> None:
+        with self._cond:
+            self._ready.append(stream)
+            self._cond.notify()
+
+    def _fail(self, request_id: str, message: str) -> None:
+        with self._cond:
+            self._failed.append((request_id, message))
+            self._cond.notify()
+
+
+class ReplicaHandle(ABC):
+    """The front's end of a replica (``index``, started: ``info``). ``submit`` and ``abort``
+    return at once; ``poll`` blocks for the next ``Batch`` (a fraction of a second at most)
+    and raises ``ReplicaGone`` once the replica has ended."""
+
+    index: int
+    info: ReplicaInfo
+
+    @abstractmethod
+    def submit(self, specs: list[RequestSpec]) -> None: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> Batch: ...
+
+    @abstractmethod
+    def call(self, method: str) -> object:
+        """Run a ``ReplicaCore`` method without arguments there and return its result."""
+
+    @abstractmethod
+    def close(self, timeout: float) -> None:
+        """Shut the engine down and end the process (killed after ``timeout`` seconds)."""
+
+    def describe(self) -> str:
+        return f"replica {self.index} (pid {self.info.pid} on {self.info.host}, {self.info.device})"
