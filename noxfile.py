@@ -26,6 +26,8 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of tor
 TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx", "jsonschema")
 # nano-engine[structured], without triton (xgrammar needs it only for CUDA logits)
 STRUCTURED_REQUIREMENTS = ("xgrammar", "apache-tvm-ffi")
+# nano-engine[ray]: data-parallel replicas as Ray actors
+RAY_REQUIREMENTS = ("ray",)
 # nano-engine[serve]
 SERVE_REQUIREMENTS = (
     "fastapi",
@@ -56,6 +58,7 @@ def tests(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *TEST_REQUIREMENTS)
     install_packages(session, cuda=False)
     session.install(*CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
+    session.install(*CONSTRAINTS, *RAY_REQUIREMENTS)
     test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
     session.run("pytest", "-m", "not gpu", *test_dirs, *session.posargs)
 

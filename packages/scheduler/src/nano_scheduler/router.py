@@ -9,7 +9,8 @@ out (``remove``); routing then picks among the others.
 
 Policies (``ROUTERS``, by name):
 
-- ``least_tokens`` (default): the replica with the fewest outstanding tokens.
+- ``least_tokens`` (default): the replica with the fewest outstanding tokens (of equals,
+  the next in turn).
 - ``prefix_aware``: the replica that last took the longest prefix of the prompt (the hash
   chain of its first full KV blocks, as the block manager hashes them), so that its prefix
   cache most likely holds it; unless that replica's load is over the least loaded one's by
@@ -53,6 +54,7 @@ class Router(ABC):
         self.outstanding = [0] * num_replicas  # tokens routed and not done, per replica
         self.serving = [True] * num_replicas
         self._routed: dict[Hashable, list[int]] = {}  # request -> [replica, tokens left]
+        self._last = -1  # the replica chosen last
 
     def route(
         self,
@@ -71,7 +73,7 @@ class Router(ABC):
                 "no replica is serving"
                 + ("" if avoid is None else f" besides replica {avoid}, which failed")
             )
-        replica = self._choose(prompt_token_ids, candidates)
+        replica = self._last = self._choose(prompt_token_ids, candidates)
         self.outstanding[replica] += cost
         self._routed[request] = [replica, cost]
         return replica
@@ -99,8 +101,12 @@ class Router(ABC):
         return None if entry is None else entry[0]
 
     def least_loaded(self, candidates: list[int]) -> int:
+        """The candidate with the fewest outstanding tokens; among equals, the next after the
+        replica chosen last (an idle fleet takes requests in turn, not all on the first)."""
         outstanding = self.outstanding
-        return min(candidates, key=lambda r: outstanding[r])
+        low = min(outstanding[r] for r in candidates)
+        tied = [r for r in candidates if outstanding[r] == low]
+        return next((r for r in tied if r > self._last), tied[0])
 
     @abstractmethod
     def _choose(self, prompt_token_ids: Sequence[int], candidates: list[int]) -> int:
@@ -117,14 +123,8 @@ class LeastTokens(Router):
 class RoundRobin(Router):
     name = "round_robin"
 
-    def __init__(self, num_replicas: int, block_size: int = 16) -> None:
-        super().__init__(num_replicas, block_size)
-        self._next = 0
-
     def _choose(self, prompt_token_ids: Sequence[int], candidates: list[int]) -> int:
-        replica = next((r for r in candidates if r >= self._next), candidates[0])
-        self._next = replica + 1
-        return replica
+        return next((r for r in candidates if r > self._last), candidates[0])
 
 
 class PrefixAware(Router):

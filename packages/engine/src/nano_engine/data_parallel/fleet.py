@@ -12,11 +12,13 @@ fleet serves on with the rest (``alive`` while one serves).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from nano_engine.config import EngineConfig
@@ -72,9 +74,16 @@ class Fleet:
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.tokenizer = load_tokenizer(config)
         eos = eos_token_ids(config, mc, self.tokenizer)
+        reasoning = reasoning_tokens(self.tokenizer, config.reasoning_parser)
         self.backend = get_backend(config.data_parallel_backend)
         self.replicas: list[ReplicaHandle] = self.backend.start(config)
         infos = [r.info for r in self.replicas]
+        if len({(i.num_blocks, i.max_model_len) for i in infos}) > 1:
+            log.warning(
+                "the replicas differ (KV blocks, max_model_len: %s): requests are checked "
+                "against the smallest",
+                [(i.num_blocks, i.max_model_len) for i in infos],
+            )
         self.max_model_len = min(i.max_model_len for i in infos)
         num_blocks = min(i.num_blocks for i in infos)  # (a request must fit any replica)
         self.request_factory = RequestFactory(
@@ -85,9 +94,10 @@ class Fleet:
             num_blocks,
             config.kvcache_block_size,
             GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(eos)),
-            reasoning_tokens(self.tokenizer, config.reasoning_parser),
+            reasoning,
         )
         n = len(self.replicas)
+        self.routed = [0] * n  # requests sent to each replica (retries included)
         self.router = make_router(config.router, n, config.kvcache_block_size)
         self.retries = 0  # requests sent again after their replica stopped
         self._lock = threading.Lock()
@@ -104,6 +114,7 @@ class Fleet:
         ]
         for thread in self._readers:
             thread.start()
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
         log.info(
             "serving with %d replicas (%s routing): %s",
             n,
@@ -239,6 +250,7 @@ class Fleet:
         cost = request_cost(len(request.prompt_token_ids), params.n, most)
         replica = self.router.route(request.request_id, request.prompt_token_ids, cost, avoid)
         request.replica = request.stream.engine_index = replica
+        self.routed[replica] += 1
         return replica
 
     def _send(self, batches: dict[int, list[FleetRequest]]) -> None:
@@ -277,15 +289,19 @@ class Fleet:
                     self.router.finish(request_id)
                     items.append((request.stream, EngineDeadError(out)))
                     continue
-                generated = sum(len(o.token_ids) for o in out.outputs)
+                done = sum(len(o.token_ids) for o in out.outputs)
                 if not request.streamed:
-                    generated += request.params.n * len(request.prompt_token_ids)
-                if generated and not request.first_token:
-                    request.first_token = now
-                self.router.progress(request_id, generated)
-                request.streamed = True
+                    done += request.params.n * len(request.prompt_token_ids)
+                    request.streamed = True
+                self.router.progress(request_id, done)
+                replica_clock = out.metrics
+                if not request.first_token and replica_clock.get("first_token_time"):
+                    # (the replica's clock is not this one: its span since the first token,
+                    # back from now)
+                    span = replica_clock["last_token_time"] - replica_clock["first_token_time"]
+                    request.first_token = max(request.arrival, now - span)
                 out.prompt, out.prompt_token_ids = request.prompt, request.prompt_token_ids
-                out.metrics = {  # (the replica's clock is not this process's)
+                out.metrics = {
                     "arrival_time": request.arrival,
                     "first_token_time": request.first_token,
                     "last_token_time": now,
@@ -340,3 +356,11 @@ class Fleet:
             f"{serving} of {len(self.replicas)} replicas serve"
         )
         publish((r.stream, error) for r in failed)
+
+
+def _shutdown_if_alive(ref: weakref.ref) -> None:
+    """At exit: a fleet never shut down stops its replicas (processes of this host would
+    otherwise keep the interpreter from exiting)."""
+    fleet = ref()
+    if fleet is not None:
+        fleet.shutdown()

@@ -52,6 +52,14 @@ def _replica_main(
     sending = threading.Lock()
     stopped = threading.Event()
 
+    def call(method: str) -> None:
+        try:
+            value = getattr(core, method)()
+        except Exception as e:  # (raised again in the front)
+            value = e
+        with sending:
+            results.send(("result", value))
+
     def serve_commands() -> None:
         try:
             while True:
@@ -61,12 +69,9 @@ def _replica_main(
                 elif kind == "abort":
                     core.abort(payload)
                 elif kind == "call":
-                    try:
-                        value = getattr(core, payload)()
-                    except Exception as e:  # (raised again in the front)
-                        value = e
-                    with sending:
-                        results.send(("result", value))
+                    # (on a thread of its own: this one never waits on the results pipe, so
+                    # the front's commands always go through, whatever its reader is doing)
+                    threading.Thread(target=call, args=(payload,), daemon=True).start()
                 else:  # stop
                     break
         except (EOFError, OSError):

@@ -47,6 +47,7 @@ class RayReplica(ReplicaHandle):
     def __init__(self, index: int, actor, info: ReplicaInfo) -> None:
         self.index, self.actor, self.info = index, actor, info
         self._ray = _ray()
+        self.closed = False
 
     def submit(self, specs: list[RequestSpec]) -> None:
         self.actor.submit.remote(specs)  # (a dead actor: its poll says so)
@@ -58,8 +59,10 @@ class RayReplica(ReplicaHandle):
         ray = self._ray
         try:
             return ray.get(self.actor.outputs.options(concurrency_group=_POLL).remote(0.5))
-        except ray.exceptions.RayActorError as e:
-            raise ReplicaGone(_why(e)) from e
+        except Exception as e:  # (once closed, Ray itself may be gone: any error)
+            if isinstance(e, ray.exceptions.RayActorError) or self.closed:
+                raise ReplicaGone(_why(e)) from e
+            raise
 
     def call(self, method: str) -> object:
         ray = self._ray
@@ -70,6 +73,7 @@ class RayReplica(ReplicaHandle):
 
     def close(self, timeout: float) -> None:
         ray = self._ray
+        self.closed = True
         with contextlib.suppress(ray.exceptions.RayError):  # (dead already, or too slow)
             ray.get(self.actor.shutdown.remote(), timeout=timeout)
         ray.kill(self.actor)
@@ -175,6 +179,8 @@ class RayBackend(Backend):
         ray = self.ray
         if ray is None:
             return
+        for replica in replicas:
+            replica.closed = True
         stops = [r.actor.shutdown.remote() for r in replicas]  # (all at once)
         with contextlib.suppress(ray.exceptions.RayError):
             ray.wait(stops, num_returns=len(stops), timeout=30.0)
