@@ -239,7 +239,7 @@ def test_ray_replicas_serve_survive_a_killed_actor_and_leave_nothing(checkpoints
 def _replica_pids(server: ServerProcess) -> list[int]:
     """The server's replica processes (spawned by multiprocessing, not its resource tracker)."""
     out = subprocess.run(
-        ["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)],
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)],
         capture_output=True,
         text=True,
         check=True,
