@@ -19,7 +19,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_greedy_matches_transformers_with_and_without_cuda_graphs(checkpoints, arch, backend):
     path = checkpoints(arch)
     expected = hf_greedy(path, sample_prompts())

@@ -7,11 +7,16 @@ The experts' weights are held fused: ``w13`` [E, 2 I, H] (gate then up of each e
 parallelism each rank holds a slice of every expert's intermediate dimension I and the block
 all-reduces its output, as a row-parallel layer does.
 
-``moe_torch`` is the implementation on every device for now, and the reference of a fused
-kernel: it gathers each expert's tokens, so its shapes depend on the routing (no CUDA graphs).
+On CUDA (with Triton) the experts run as two grouped GEMM launches (``moe_triton``), whose
+shapes depend on the number of tokens alone: decode steps run in CUDA graphs. ``moe_torch`` is
+the CPU's path and the kernels' reference: it gathers each expert's tokens, so its shapes
+depend on the routing.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,16 @@ from nano_models.layers.activation import silu_and_mul
 from nano_models.layers.linear import ReplicatedLinear
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.weights import WeightSource
+
+
+@functools.cache
+def _triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether the experts run as the fused Triton kernels on ``device``."""
+    return device.type == "cuda" and _triton()
 
 
 def route(
@@ -114,7 +129,12 @@ class FusedMoE(nn.Module):
         param.data[expert].copy_(source.narrow(1, self.tp.rank * self.local, self.local))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = moe_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+        if fused_available(x.device):
+            from nano_models.layers.moe_triton import fused_moe
+
+            out = fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = moe_torch(x, self.w13_weight, self.w2_weight, weights, ids)
         return self.tp.all_reduce(out)
 
 

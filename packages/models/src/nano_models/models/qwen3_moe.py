@@ -6,12 +6,11 @@ mixture of experts in place of the MLP (a router's top ``num_experts_per_tok`` o
 from __future__ import annotations
 
 import re
-from typing import ClassVar
 
 from torch import nn
 
 from nano_models.config import ModelConfig
-from nano_models.layers.moe import SparseMoeBlock
+from nano_models.layers.moe import SparseMoeBlock, fused_available
 from nano_models.models.decoder import DecoderMLP, DecoderSpec
 from nano_models.models.qwen3 import Qwen3ForCausalLM
 from nano_models.parallel import SINGLE, TensorParallel
@@ -50,7 +49,10 @@ def is_sparse(cfg: ModelConfig, layer: int) -> bool:
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    supports_cuda_graphs: ClassVar[bool] = False  # (the torch experts' shapes follow the routing)
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """On CUDA with the fused kernels (the torch experts' shapes follow the routing)."""
+        return fused_available(next(self.parameters()).device)
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         moe_settings(cfg)  # (checked before any layer is built)

@@ -1,0 +1,113 @@
+"""The fused MoE layer on the GPU against reading its touched experts' weights at the copy
+bandwidth, in the same run, and against the torch experts.
+
+Qwen3-30B-A3B's shapes by default (2048 hidden, 768 expert intermediate, 128 experts, top-8,
+bf16). For each batch size: the experts the routing touches (uniform random scores, so about
+E (1 - (1 - k/E)^T) of them), their weight bytes (gate, up and down), the copy time of as many
+bytes (a device-to-device copy measured here), the fused layer's time replayed in a CUDA graph
+(route and experts, as a decode step runs it), and the torch path's time (eager).
+
+    python benchmarks/bench_moe.py [--batch 1 32 256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from nano_models.layers.moe import moe_torch, route
+from nano_models.layers.moe_triton import fused_moe
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    fn()  # (compiled, and the allocator warm, before the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + written counted once: the bytes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
+    return nbytes / (ms * 1e-3)
+
+
+def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, bandwidth) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
+    router = torch.randn(hidden, experts, device="cuda", generator=g).to(dtype) / hidden**0.5
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / 30).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / 30).to(dtype)
+
+    def layer():
+        weights, ids = route(x @ router, top_k, True, dtype)
+        return fused_moe(x, w13, w2, weights, ids)
+
+    weights, ids = route(x @ router, top_k, True, dtype)
+    touched = int(torch.unique(ids).numel())
+    expert_bytes = 3 * inter * hidden * x.element_size()
+    nbytes = touched * expert_bytes
+    graph = graph_of(layer)
+    fused_ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    torch_ms = do_bench(
+        lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
+    )
+    copy_us = nbytes / bandwidth * 1e6
+    return {
+        "batch": batch,
+        "experts_touched": touched,
+        "weight_bytes": nbytes,
+        "copy_us": copy_us,
+        "fused_us": fused_ms * 1e3,
+        "fused_tbps": nbytes / (fused_ms * 1e-3) / 1e12,
+        "fused_vs_copy": copy_us / (fused_ms * 1e3),
+        "torch_us": torch_ms * 1e3,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--json")
+    args = p.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
+    print(
+        f"{'batch':>6} {'experts':>8} {'MB':>8} {'copy us':>8} {'fused us':>9} {'TB/s':>6} "
+        f"{'of copy':>8} {'torch us':>9}"
+    )
+    rows = []
+    for batch in args.batch:
+        row = run(
+            batch,
+            args.experts,
+            args.intermediate,
+            args.hidden,
+            args.top_k,
+            torch.bfloat16,
+            bandwidth,
+        )
+        rows.append(row)
+        print(
+            f"{batch:>6} {row['experts_touched']:>8} {row['weight_bytes'] / 1e6:>8.1f} "
+            f"{row['copy_us']:>8.1f} {row['fused_us']:>9.1f} {row['fused_tbps']:>6.2f} "
+            f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_tbps": bandwidth / 1e12, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Mixture of experts on the GPU in two grouped GEMM launches (Triton).
+
+The (token, slot) pairs of the router's choice are sorted by expert and each expert's run
+padded to a multiple of the tile height (``align``); then one launch computes every expert's
+gate and up projections of its tokens (``w13``), SiLU-and-mul runs once over all pairs, and
+one launch computes the down projections (``w2``) scaled by the routing weights. The pairs'
+outputs are summed per token. Every shape depends on the number of tokens alone (the sorted
+list is as long as the worst case; tiles past the used length return at once), and no value
+goes back to the host, so a decode step with experts runs inside a CUDA graph.
+
+Tiles per shape come from ``nano_models.layers.moe_tiles`` (measured on an H200 by
+``benchmarks/tune_moe.py``), else from a rule by the number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nano_models.layers.activation import silu_and_mul
+
+
+def align(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs of ``ids`` [T, k] by expert, each expert's run padded to a
+    multiple of ``block_m``. Returns ``sorted_pairs`` [P] int32 (pair indices t * k + slot;
+    padding holds T * k), ``tile_experts`` [P / block_m] int32 (the expert of each tile;
+    ``num_experts`` past the used tiles) and ``used`` [1] int32 (the padded length used).
+    P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most any routing needs."""
+    pairs = ids.numel()
+    device = ids.device
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[by_expert]
+    length = pairs + min(num_experts, pairs) * (block_m - 1)
+    length = -(-length // block_m) * block_m
+    sorted_pairs = torch.full((length,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, (ends - padded)[by_expert] + rank, order.int())
+    tile_starts = torch.arange(0, length, block_m, device=device)
+    tile_experts = torch.searchsorted(ends, tile_starts, right=True).int()
+    return sorted_pairs, tile_experts, ends[-1:].int()
+
+
+@triton.jit
+def _grouped_gemm(
+    a,
+    b,
+    c,
+    weights,
+    sorted_pairs,
+    tile_experts,
+    used,
+    num_pairs,
+    length,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    PAIRS_PER_ROW: tl.constexpr,
+    MUL_WEIGHTS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """c[pair, :N] = a[pair // PAIRS_PER_ROW, :K] @ b[expert of pair, :N, :K]^T (times the
+    pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(length, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(used):
+        return
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs + offs)
+    valid = pair < num_pairs
+    expert = tl.load(tile_experts + pid_m).to(tl.int64)
+    rows = (pair // PAIRS_PER_ROW).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        left = K - step * BLOCK_K
+        x = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < left), other=0.0)
+        w = tl.load(b_ptrs, mask=(offs_k[:, None] < left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_WEIGHTS:
+        acc = acc * tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pairs_per_row: int,
+    weights: torch.Tensor | None,
+    tile: dict,
+) -> None:
+    """``out`` [pairs, N] = rows of ``a`` [pairs / pairs_per_row, K] times their experts'
+    ``b`` [E, N, K] (transposed), scaled by ``weights`` [pairs] when given; ``aligned``: from
+    ``align`` with the tile's BLOCK_M."""
+    sorted_pairs, tile_experts, used = aligned
+    n, k = b.shape[1], b.shape[2]
+    length = sorted_pairs.numel()
+    grid = (triton.cdiv(length, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
+    _grouped_gemm[grid](
+        a,
+        b,
+        out,
+        weights if weights is not None else out,
+        sorted_pairs,
+        tile_experts,
+        used,
+        out.shape[0],
+        length,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        PAIRS_PER_ROW=pairs_per_row,
+        MUL_WEIGHTS=weights is not None,
+        # (float32 as torch computes it, not in TF32; lower precisions are exact either way)
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **tile,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tiles: tuple[dict, dict] | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), an expert being (SiLU(x W_gate) * x W_up)
+    W_down: x [T, H], w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I], weights [T, k],
+    ids [T, k] -> [T, H] in x's dtype. ``tiles``: the two launches' tile settings (default:
+    ``moe_tiles.choose``)."""
+    from nano_models.layers.moe_tiles import choose
+
+    tokens, top_k = ids.shape
+    experts, inter2, hidden = w13.shape
+    pairs = tokens * top_k
+    if tiles is None:
+        tiles = choose(tokens, experts, inter2 // 2, hidden, top_k, x.dtype)
+    up_tile, down_tile = tiles
+    gate_up = torch.empty(pairs, inter2, dtype=x.dtype, device=x.device)
+    aligned = align(ids, experts, up_tile["BLOCK_M"])
+    grouped_gemm(x, w13, gate_up, aligned, top_k, None, up_tile)
+    h = silu_and_mul(gate_up)
+    down = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    if down_tile["BLOCK_M"] != up_tile["BLOCK_M"]:
+        aligned = align(ids, experts, down_tile["BLOCK_M"])
+    grouped_gemm(h, w2, down, aligned, 1, weights.reshape(-1), down_tile)
+    return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,170 @@
+"""The fused MoE kernels against float64 torch: the alignment of pairs to tiles against a
+brute-force model, the two grouped GEMMs on ragged expert loads (an expert with no token, a
+single token, every token on one expert), every tile setting, and on the GPU inside a CUDA
+graph replayed with other routings. GPU-marked; with TRITON_INTERPRET=1 (float32, small
+shapes) it also runs on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nano_models.layers.moe import moe_torch, route
+from nano_models.layers.moe_tiles import as_kwargs, choose, rule
+from nano_models.layers.moe_triton import align, fused_moe
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cpu" and not INTERPRET, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"
+    ),
+]
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+
+
+def routing(tokens: int, experts: int, top_k: int, kind: str, seed: int) -> torch.Tensor:
+    """ids [tokens, top_k], distinct per token: random, skewed to few experts, or with the
+    last expert never chosen."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        scores = torch.rand(tokens, experts, generator=g)
+    elif kind == "skewed":  # most pairs on experts 0..top_k
+        scores = torch.rand(tokens, experts, generator=g) + (torch.arange(experts) < top_k) * 10
+    else:  # "unused": the last expert gets nothing
+        scores = torch.rand(tokens, experts, generator=g)
+        scores[:, -1] = -1
+    return torch.topk(scores, top_k, dim=-1).indices.to(DEVICE)
+
+
+def reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """float64, a token and a slot at a time."""
+    x, w13, w2, weights = (t.double().cpu() for t in (x, w13, w2, weights))
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(ids[t].tolist()):
+            gate, up = (w13[e] @ x[t]).split(inter)
+            out[t] += weights[t, slot] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def weights_of(experts, inter, hidden, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,kind",
+    [(1, 8, 2, "random"), (5, 8, 8, "random"), (37, 16, 4, "skewed"), (64, 6, 2, "unused")],
+)
+def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, kind, block_m):
+    ids = routing(tokens, experts, top_k, kind, seed=tokens + experts)
+    sorted_pairs, tile_experts, used = (t.cpu() for t in align(ids, experts, block_m))
+    pairs = tokens * top_k
+    flat = ids.flatten().cpu().tolist()
+    # Brute force: each expert's pairs in order, padded to a multiple of block_m.
+    expected, owners = [], []
+    for e in range(experts):
+        mine = [p for p in range(pairs) if flat[p] == e]
+        if mine:
+            run = mine + [pairs] * (-len(mine) % block_m)
+            expected += run
+            owners += [e] * (len(run) // block_m)
+    assert used.item() == len(expected)
+    assert sorted_pairs[: len(expected)].tolist() == expected
+    assert (sorted_pairs[len(expected) :] == pairs).all()
+    assert len(sorted_pairs) % block_m == 0
+    assert len(sorted_pairs) >= pairs + min(experts, pairs) * (block_m - 1)
+    assert tile_experts[: len(owners)].tolist() == owners
+    assert (tile_experts[len(owners) :] == experts).all()
+
+
+CASES = [  # tokens, experts, intermediate, hidden, top_k, routing
+    (1, 8, 32, 64, 2, "random"),
+    (3, 8, 48, 64, 8, "random"),  # every expert chosen by each token
+    (17, 16, 32, 96, 4, "skewed"),
+    (40, 6, 64, 32, 2, "unused"),
+]
+if not INTERPRET:
+    CASES += [(256, 128, 96, 256, 8, "random"), (512, 64, 192, 512, 6, "skewed")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,inter,hidden,top_k,kind", CASES)
+def test_fused_moe_matches_float64(tokens, experts, inter, hidden, top_k, kind, dtype):
+    g = torch.Generator().manual_seed(tokens * experts)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    w13, w2 = weights_of(experts, inter, hidden, dtype, seed=experts)
+    ids = routing(tokens, experts, top_k, kind, seed=tokens)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(DEVICE, dtype)
+    out = fused_moe(x, w13, w2, weights, ids)
+    want = reference(x, w13, w2, weights, ids)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double().cpu(), want, **tol)
+    # The torch path (the CPU's) agrees as well.
+    torch.testing.assert_close(moe_torch(x, w13, w2, weights, ids).double().cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("tile", sorted({rule(t, 2)[0] for t in (1, 100, 1000, 10_000)}))
+def test_every_tile_setting_gives_the_same_result(tile):
+    tokens, experts, inter, hidden, top_k = 24, 8, 64, 128, 2
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w13, w2 = weights_of(experts, inter, hidden, torch.float32, seed=5)
+    ids = routing(tokens, experts, top_k, "random", seed=9)
+    weights = torch.rand(tokens, top_k, generator=g).to(DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, tiles=(as_kwargs(tile), as_kwargs(tile)))
+    torch.testing.assert_close(
+        out.double().cpu(), reference(x, w13, w2, weights, ids), atol=2e-4, rtol=2e-4
+    )
+
+
+def test_the_routers_choice_through_the_kernels():
+    """route() then fused_moe(): the block's path on the GPU, against the torch experts."""
+    tokens, experts, inter, hidden, top_k = 9, 8, 32, 64, 3
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w13, w2 = weights_of(experts, inter, hidden, torch.float32, seed=2)
+    weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True, x.dtype)
+    torch.testing.assert_close(
+        fused_moe(x, w13, w2, weights, ids),
+        moe_torch(x, w13, w2, weights, ids),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_choose_falls_back_to_the_rule_for_unmeasured_shapes():
+    up, down = choose(7, 3, 5, 11, 2, torch.float32)
+    assert (up, down) == tuple(as_kwargs(t) for t in rule(7, 2))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("tokens", [1, 32, 256])
+def test_a_cuda_graph_replays_other_routings(tokens):
+    experts, inter, hidden, top_k = 128, 96, 256, 8
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    w13, w2 = weights_of(experts, inter, hidden, torch.bfloat16, seed=4)
+    ids = routing(tokens, experts, top_k, "random", seed=1)
+    weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.bfloat16)
+    fused_moe(x, w13, w2, weights, ids)  # (compiled before capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    for seed, kind in ((2, "random"), (3, "skewed"), (4, "unused")):
+        ids.copy_(routing(tokens, experts, top_k, kind, seed))
+        x.copy_(torch.randn_like(x))
+        weights.copy_(torch.rand_like(weights))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids), atol=0, rtol=0)
