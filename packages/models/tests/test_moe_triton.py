@@ -2,7 +2,7 @@
 brute-force model, the two grouped GEMMs on ragged expert loads (an expert with no token, a
 single token, every token on one expert), every tile setting, and on the GPU inside a CUDA
 graph replayed with other routings. GPU-marked; with TRITON_INTERPRET=1 (float32, small
-shapes) it also runs on the CPU."""
+shapes; Triton 3.6's interpreter needs numpy < 2.4) it also runs on the CPU."""
 
 from __future__ import annotations
 

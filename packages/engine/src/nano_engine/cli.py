@@ -600,7 +600,7 @@ def bench(args: argparse.Namespace) -> int:
         llm.generate(warm, SamplingParams(max_tokens=24, ignore_eos=True))
         engine = llm.engine
 
-        def state() -> list[dict]:  # (each replica's)
+        def state() -> list[dict | None]:  # (each replica's; None: stopped)
             described = engine.describe()
             return described if isinstance(described, list) else [described]
 
@@ -621,7 +621,8 @@ def bench(args: argparse.Namespace) -> int:
         elapsed = min(times)
         steps = _delta(before, after, "steps")
         host, device = (_delta(before, after, k) for k in ("host_seconds", "device_seconds"))
-        first = after[0]
+        serving = [d for d in after if d is not None]
+        first = serving[0]
         result = {
             "num_seqs": args.num_seqs,
             "input_tokens": sum(len(p) for p in prompts),
@@ -631,14 +632,14 @@ def bench(args: argparse.Namespace) -> int:
             "prefix_cache_hit_tokens_each_run": hits,
             "steps": steps,  # (of the last run, every replica's)
             "host_share": host / (host + device) if host + device else 0.0,
-            "replicas": len(after),
+            "replicas": len(serving),
             "kv_blocks": first["kv_blocks"],  # (each replica's)
             "kv_tokens": first["kv_tokens"],
-            "preemptions": sum(d["preemptions"] for d in after),
+            "preemptions": sum(d["preemptions"] for d in serving),
             "attention_backend": first["attention_backend"],
             "cuda_graphs": first["cuda_graphs"],
             "async_scheduling": first["async_scheduling"],
-            "device": ", ".join(d["device"] for d in after),
+            "device": ", ".join(d["device"] for d in serving),
         }
         engine.stop_recording()
     result["output_tok_per_s"] = result["output_tokens"] / elapsed
@@ -663,9 +664,9 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delta(before: list[dict], after: list[dict], key: str):
-    """How much ``key`` grew over a run, summed over the replicas."""
-    return sum(a[key] - b[key] for a, b in zip(after, before))
+def _delta(before: list[dict | None], after: list[dict | None], key: str):
+    """How much ``key`` grew over a run, summed over the replicas that served throughout."""
+    return sum(a[key] - b[key] for a, b in zip(after, before) if a is not None and b is not None)
 
 
 def auto_tool_parser(args: argparse.Namespace) -> str | None:

@@ -108,6 +108,8 @@ class LLMEngine:
                 self.block_manager,
             )
         except BaseException:  # (workers and the process group would outlive the engine)
+            # (a worker may wait in a collective of the start that this rank left)
+            self._apart = self.workers is not None
             self._release()
             raise
         self._requests: dict[str, Request] = {}
@@ -654,7 +656,9 @@ class LLMEngine:
         # the peers, so this rank joining the workers first (or they it) hangs. (Seen on two
         # H200s: the workers blocked in destroy_process_group until terminated, then rank 0.)
         workers.stop()
-        if dist.is_initialized():
+        if workers.stuck is not None and workers.stuck.is_alive():
+            log.warning("the process group is left as it is: rank 0's start still waits in it")
+        elif dist.is_initialized():
             dist.destroy_process_group()
         workers.shutdown(timeout=2.0 if broken else 10.0)
 

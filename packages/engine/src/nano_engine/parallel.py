@@ -141,6 +141,7 @@ class Workers:
         max_model_len: int,
     ) -> None:
         self.world = config.tensor_parallel_size
+        self.stuck: threading.Thread | None = None  # rank 0's start, left in a wait by start()
         if device.type == "cuda" and torch.cuda.device_count() < self.world:
             raise ValueError(
                 f"tensor_parallel_size {self.world} needs {self.world} GPUs, "
@@ -222,13 +223,15 @@ class Workers:
         while thread.is_alive():
             wait(sentinels, timeout=0.1)
             if (message := self.dead()) is not None:
-                abort_group(None)
-                thread.join(2.0)  # (its collective's error, if it has one, is no news)
+                # (NCCL's abort waits for the graphs captured so far, which the thread holds:
+                # on a thread of its own, so that this one reports at once in any case)
+                threading.Thread(target=abort_group, args=(None,), daemon=True).start()
+                thread.join(5.0)  # (its collective's error, if it has one, is no news)
                 if thread.is_alive():
+                    self.stuck = thread
                     log.warning(
-                        "rank 0's start is left waiting for the dead worker in the process "
-                        "group's rendezvous (its timeout: %s)",
-                        _TIMEOUT,
+                        "rank 0's start is left waiting for the dead worker (in the process "
+                        "group's rendezvous or a collective): the group stays as it is"
                     )
                 raise RuntimeError(f"{message} while the engine started; its error is above")
         ok, value = outcome[0]

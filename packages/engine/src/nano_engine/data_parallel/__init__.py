@@ -30,7 +30,10 @@ class Backend(ABC):
 
     @abstractmethod
     def stop(self, replicas: list[ReplicaHandle]) -> None:
-        """Shut every replica down, then release what ``start`` took."""
+        """Shut every replica down (their polls then raise ``ReplicaGone``)."""
+
+    def release(self) -> None:  # noqa: B027  (most backends hold nothing more)
+        """Release what ``start`` set up beside the replicas, once no one polls them."""
 
 
 def get_backend(name: str) -> Backend:

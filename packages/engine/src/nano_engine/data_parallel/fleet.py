@@ -51,6 +51,7 @@ class FleetRequest:
     first_token: float = 0.0  # when its first generated token came (this process's clock)
     streamed: bool = False  # whether an output went to its stream
     retried: bool = False  # whether it was sent again after its replica stopped
+    aborted: bool = False
 
     def spec(self) -> RequestSpec:
         return RequestSpec(
@@ -77,6 +78,21 @@ class Fleet:
         reasoning = reasoning_tokens(self.tokenizer, config.reasoning_parser)
         self.backend = get_backend(config.data_parallel_backend)
         self.replicas: list[ReplicaHandle] = self.backend.start(config)
+        try:
+            self._start(config, mc, eos, reasoning)
+        except BaseException:
+            self.backend.stop(self.replicas)
+            self.backend.release()
+            raise
+        log.info(
+            "serving with %d replicas (%s routing): %s",
+            len(self.replicas),
+            config.router,
+            "; ".join(r.describe() for r in self.replicas),
+        )
+
+    def _start(self, config: EngineConfig, mc: ModelConfig, eos: set[int], reasoning) -> None:
+        """The front's state over the started replicas, and a reader of each."""
         infos = [r.info for r in self.replicas]
         if len({(i.num_blocks, i.max_model_len) for i in infos}) > 1:
             log.warning(
@@ -115,12 +131,6 @@ class Fleet:
         for thread in self._readers:
             thread.start()
         atexit.register(_shutdown_if_alive, weakref.ref(self))
-        log.info(
-            "serving with %d replicas (%s routing): %s",
-            n,
-            config.router,
-            "; ".join(r.describe() for r in self.replicas),
-        )
 
     # ---- the engine's interface ----------------------------------------------------------------
 
@@ -154,23 +164,32 @@ class Fleet:
         )
 
     def submit(self, requests: list[FleetRequest]) -> None:
+        """Route and send every request, or none (an error)."""
         with self._lock:
             if not self.alive:
                 raise EngineDeadError(f"the engine is not running: {self.error}")
-            duplicate = [r.request_id for r in requests if r.request_id in self._requests]
+            ids = [r.request_id for r in requests]
+            duplicate = sorted({i for i in ids if i in self._requests or ids.count(i) > 1})
             if duplicate:
                 raise ValueError(f"request ids already in use: {duplicate}")
             batches: dict[int, list[FleetRequest]] = {}
-            for request in requests:
-                replica = self._route(request)
-                self._requests[request.request_id] = request
-                batches.setdefault(replica, []).append(request)
+            try:
+                for request in requests:
+                    replica = self._route(request)
+                    self._requests[request.request_id] = request
+                    batches.setdefault(replica, []).append(request)
+            except NoReplicaError as e:  # (the last one stopped meanwhile)
+                for request in requests:
+                    self._requests.pop(request.request_id, None)
+                    self.router.finish(request.request_id)
+                raise EngineDeadError(f"the engine is not running: {e}") from e
             self._send(batches)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             request = self._requests.get(request_id)
             if request is not None:
+                request.aborted = True  # (never sent elsewhere if its replica stops)
                 with contextlib.suppress(ReplicaGone):  # (its reader ends the request)
                     self.replicas[request.replica].abort(request_id)
 
@@ -207,9 +226,15 @@ class Fleet:
         """Each replica's state, as it last reported it (a stopped one: not serving)."""
         return list(self._stats)
 
-    def describe(self) -> list[dict]:
-        """Each serving replica's ``LLMEngine.describe``."""
-        return [r.call("describe") for r in self._serving()]
+    def describe(self) -> list[dict | None]:
+        """Each replica's ``LLMEngine.describe`` (None: it stopped)."""
+        described = []
+        for replica in self.replicas:
+            try:
+                described.append(replica.call("describe") if self._serves(replica) else None)
+            except ReplicaGone:
+                described.append(None)
+        return described
 
     def record_steps(self, *args, **kwargs):
         raise ValueError(
@@ -230,8 +255,9 @@ class Fleet:
         error = EngineDeadError("the engine stopped: it was shut down")
         publish((r.stream, error) for r in left)
         self.backend.stop(self.replicas)
-        for thread in self._readers:
+        for thread in self._readers:  # (each ends with its replica)
             thread.join(timeout=5)
+        self.backend.release()
 
     def __enter__(self) -> Fleet:
         return self
@@ -242,7 +268,10 @@ class Fleet:
     # ---- replicas ------------------------------------------------------------------------------
 
     def _serving(self) -> list[ReplicaHandle]:
-        return [r for r, why in zip(self.replicas, self._why) if why is None]
+        return [r for r in self.replicas if self._serves(r)]
+
+    def _serves(self, replica: ReplicaHandle) -> bool:
+        return self._why[replica.index] is None
 
     def _route(self, request: FleetRequest, avoid: int | None = None) -> int:
         params = request.params
@@ -261,17 +290,28 @@ class Fleet:
                 self.replicas[replica].submit([r.spec() for r in requests])
 
     def _read(self, replica: ReplicaHandle) -> None:
-        """The replica's outputs to their streams, until it ends (stopped, or shut down)."""
+        """The replica's outputs to their streams, until it ends (stopped, or shut down). One
+        whose engine failed is stopped, its last batches read and dropped until it ends."""
+        failed = False
         while True:
             try:
                 batch = replica.poll()
             except ReplicaGone as e:
                 self._lost(replica.index, str(e))
                 return
+            except Exception as e:  # (unreadable: the replica is no use either)
+                log.exception("%s: its outputs cannot be read", replica.describe())
+                self._lost(replica.index, f"its outputs cannot be read: {e!r}")
+                replica.stop()
+                failed = True
+                continue
+            if failed:
+                continue
             self._deliver(replica.index, batch)
             if batch.error is not None:
                 self._lost(replica.index, f"its engine stopped: {batch.error}")
-                return
+                replica.stop()
+                failed = True
 
     def _deliver(self, index: int, batch: Batch) -> None:
         now = time.monotonic()
@@ -327,7 +367,7 @@ class Fleet:
             failed, batches = [], {}
             for request in [r for r in self._requests.values() if r.replica == index]:
                 self.router.finish(request.request_id)
-                if not request.streamed and not request.retried:
+                if not (request.streamed or request.retried or request.aborted):
                     try:
                         replica = self._route(request, avoid=index)
                     except NoReplicaError:

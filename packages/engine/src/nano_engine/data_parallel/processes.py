@@ -92,24 +92,39 @@ def _replica_main(
 
 
 class ProcessReplica(ReplicaHandle):
+    """The front's end: commands go through a queue to a thread that writes them to the
+    replica's pipe in order (a caller never waits on the pipe); the reader's ``poll`` reads
+    batches and hands calls' results to their callers."""
+
     def __init__(
         self, index: int, process: mp.Process, commands: Connection, results: Connection
     ) -> None:
         self.index, self.process = index, process
         self._commands, self._results = commands, results
-        self._sending = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken = False  # the command pipe failed: the replica is gone
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._calling = threading.Lock()
         # (joins from two threads race in waitpid: one of them would see a reaped process
         # as alive)
         self._reaping = threading.Lock()
+        self._writer = threading.Thread(
+            target=self._write, name=f"nano-fleet-send-{index}", daemon=True
+        )
+        self._writer.start()
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._commands.send(message)
+            except (OSError, ValueError):  # (gone: its pipe's reader sees it too)
+                self._broken = True
+                return
 
     def _send(self, message: tuple) -> None:
-        try:
-            with self._sending:
-                self._commands.send(message)
-        except (OSError, ValueError) as e:  # (ValueError: a closed connection)
-            raise ReplicaGone(self._gone()) from e
+        if self._broken:
+            raise ReplicaGone(self._gone())
+        self._outbox.put(message)
 
     def submit(self, specs: list[RequestSpec]) -> None:
         self._send(("submit", specs))
@@ -137,25 +152,28 @@ class ProcessReplica(ReplicaHandle):
                 except queue.Empty:
                     with self._reaping:
                         alive = self.process.is_alive()
-                    if not alive:
+                    if not alive or self._broken:
                         raise ReplicaGone(self._gone()) from None
         if isinstance(value, Exception):
             raise value
         return value
 
-    def request_stop(self) -> None:
+    def stop(self) -> None:
         with contextlib.suppress(ReplicaGone):
             self._send(("stop", None))
 
     def close(self, timeout: float) -> None:
-        self.request_stop()
+        self.stop()
         with self._reaping:
             self.process.join(timeout)
             if self.process.is_alive():
                 log.warning("%s did not stop within %.0f s: killed", self.describe(), timeout)
                 self.process.kill()
                 self.process.join(5)
+        self._outbox.put(None)  # (the writer ends)
+        self._writer.join(5)
         self._commands.close()
+        self._results.close()  # (a reader in recv: EOF, it ends)
 
     def _gone(self) -> str:
         with self._reaping:
@@ -221,7 +239,7 @@ class ProcessBackend(Backend):
 
     def stop(self, replicas: list[ReplicaHandle]) -> None:
         for replica in replicas:  # (all at once: each engine stops in parallel)
-            replica.request_stop()
+            replica.stop()
         for replica in replicas:
             replica.close(timeout=30.0)
 

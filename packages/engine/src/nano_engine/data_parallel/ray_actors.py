@@ -30,6 +30,7 @@ from nano_engine.data_parallel.replica import (
 log = logging.getLogger("nano_engine")
 _PLACEMENT_TIMEOUT = 300.0  # seconds to wait for the cluster to hold every bundle
 _POLL = "outputs"  # the concurrency group of the long poll
+_UNAVAILABLE = 10.0  # seconds an unreachable actor has to come back
 
 
 def _ray():
@@ -57,12 +58,23 @@ class RayReplica(ReplicaHandle):
 
     def poll(self) -> Batch:
         ray = self._ray
-        try:
-            return ray.get(self.actor.outputs.options(concurrency_group=_POLL).remote(0.5))
-        except Exception as e:  # (once closed, Ray itself may be gone: any error)
-            if isinstance(e, ray.exceptions.RayActorError) or self.closed:
-                raise ReplicaGone(_why(e)) from e
-            raise
+        unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+        deadline = None
+        while True:
+            try:
+                return ray.get(self.actor.outputs.options(concurrency_group=_POLL).remote(0.5))
+            except unavailable as e:  # (unreachable for now: it may come back)
+                deadline = deadline or time.monotonic() + _UNAVAILABLE
+                if time.monotonic() < deadline and not self.closed:
+                    time.sleep(0.2)
+                    continue
+                # (killed, so that what it held is not computed twice once sent elsewhere)
+                self.stop()
+                raise ReplicaGone(f"unreachable for {_UNAVAILABLE:.0f} s: {_why(e)}") from e
+            except Exception as e:  # (once closed, Ray itself may be gone: any error)
+                if isinstance(e, ray.exceptions.RayActorError) or self.closed:
+                    raise ReplicaGone(_why(e)) from e
+                raise
 
     def call(self, method: str) -> object:
         ray = self._ray
@@ -71,12 +83,16 @@ class RayReplica(ReplicaHandle):
         except ray.exceptions.RayActorError as e:
             raise ReplicaGone(_why(e)) from e
 
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):  # (dead already)
+            self._ray.kill(self.actor)
+
     def close(self, timeout: float) -> None:
         ray = self._ray
         self.closed = True
         with contextlib.suppress(ray.exceptions.RayError):  # (dead already, or too slow)
             ray.get(self.actor.shutdown.remote(), timeout=timeout)
-        ray.kill(self.actor)
+        self.stop()
 
 
 def _why(error: Exception) -> str:
@@ -135,7 +151,7 @@ class RayBackend(Backend):
             ]
             return self._started(actors)
         except BaseException:
-            self.stop([])
+            self.release()
             raise
 
     def _connect(self, config: EngineConfig) -> None:
@@ -186,6 +202,11 @@ class RayBackend(Backend):
             ray.wait(stops, num_returns=len(stops), timeout=30.0)
         for replica in replicas:
             replica.close(timeout=1.0)
+
+    def release(self) -> None:
+        ray = self.ray
+        if ray is None:
+            return
         if self.placement is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -175,7 +175,7 @@ class ReplicaHandle(ABC):
     and raises ``ReplicaGone`` once the replica has ended."""
 
     index: int
-    info: ReplicaInfo
+    info: ReplicaInfo | None = None  # (once started)
 
     @abstractmethod
     def submit(self, specs: list[RequestSpec]) -> None: ...
@@ -191,8 +191,15 @@ class ReplicaHandle(ABC):
         """Run a ``ReplicaCore`` method without arguments there and return its result."""
 
     @abstractmethod
+    def stop(self) -> None:
+        """Ask the replica to end (at once: its poll raises ``ReplicaGone`` once it has)."""
+
+    @abstractmethod
     def close(self, timeout: float) -> None:
         """Shut the engine down and end the process (killed after ``timeout`` seconds)."""
 
     def describe(self) -> str:
-        return f"replica {self.index} (pid {self.info.pid} on {self.info.host}, {self.info.device})"
+        info = self.info
+        if info is None:
+            return f"replica {self.index} (starting)"
+        return f"replica {self.index} (pid {info.pid} on {info.host}, {info.device})"

@@ -8,7 +8,10 @@ time order: before a request is routed at its arrival time, every replica has ru
 iterations that start earlier, and the router has taken in the outputs published by then.
 Each replica's host is the profile's (the HTTP server's event loop beside the engine's loop
 with ``server`` costs): the front end's own work of routing and relaying between processes is
-not modelled.
+not modelled. With the server's event loop, a request routed to a replica whose loop model
+has already run past its arrival (within the iteration that was under way) is taken from where
+that model is: up to one iteration late. So one replica behind the router can differ from the
+engine alone (``Simulator``) by that much; offline (no server costs) they are the same.
 """
 
 from __future__ import annotations
