@@ -1,6 +1,9 @@
 // KV-store kernels: store_kvcache, compute_slot_mapping, copy_blocks (see kv_store.h).
 #include "kv_store.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -99,6 +102,38 @@ __global__ void store_kvcache_kernel(const char* __restrict__ key, const char* _
   }
 }
 
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+// FP8 (e4m3) caches: each value is stored as x * inv_scale, rounded to nearest and saturated to
+// +-448. A thread converts consecutive elements of a row, so reads and writes stay coalesced.
+template <typename In, typename Slot>
+__global__ void store_kvcache_fp8_kernel(
+    const char* __restrict__ key, const char* __restrict__ value, __nv_fp8_e4m3* __restrict__ k_cache,
+    __nv_fp8_e4m3* __restrict__ v_cache, const Slot* __restrict__ slot_mapping, int64_t num_tokens,
+    int64_t num_slots, int num_heads, int head_dim, int64_t key_stride_token,
+    int64_t key_stride_head, int64_t value_stride_token, int64_t value_stride_head,
+    int64_t block_size, float k_inv_scale, float v_inv_scale) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= num_tokens) return;
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0 || slot >= num_slots) return;
+  const int64_t block = slot / block_size;
+  const int64_t row = slot - block * block_size;
+  const int n = num_heads * head_dim;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int h = i / head_dim;
+    const int d = i - h * head_dim;
+    const In k = reinterpret_cast<const In*>(key + t * key_stride_token + h * key_stride_head)[d];
+    const In v =
+        reinterpret_cast<const In*>(value + t * value_stride_token + h * value_stride_head)[d];
+    const int64_t dst = ((block * num_heads + h) * block_size + row) * head_dim + d;
+    k_cache[dst] = __nv_fp8_e4m3(to_float(k) * k_inv_scale);
+    v_cache[dst] = __nv_fp8_e4m3(to_float(v) * v_inv_scale);
+  }
+}
+
 __global__ void slot_mapping_kernel(const int32_t* __restrict__ block_tables,
                                     int64_t table_stride, int64_t max_blocks,
                                     const int32_t* __restrict__ query_start_loc,
@@ -182,6 +217,49 @@ void store_kvcache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t 
     }
   });
   check(cudaGetLastError(), "store_kvcache launch");
+}
+
+void store_kvcache_fp8(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
+                       uintptr_t slot_mapping, int slot_bytes, int64_t num_tokens,
+                       int64_t num_slots, int64_t num_heads, int64_t head_dim,
+                       int64_t key_stride_token, int64_t key_stride_head,
+                       int64_t value_stride_token, int64_t value_stride_head, int64_t block_size,
+                       int dtype, float k_inv_scale, float v_inv_scale, int device,
+                       uintptr_t stream) {
+  if (num_tokens == 0) return;
+  if (slot_bytes != 4 && slot_bytes != 8) throw std::invalid_argument("slot_bytes must be 4 or 8");
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype must be 0, 1 or 2");
+  DeviceGuard guard(device);
+  const int n = static_cast<int>(num_heads * head_dim);
+  const int tx = std::min(256, (n + 31) / 32 * 32);
+  const int ty = std::max(1, 256 / tx);
+  const dim3 block(tx, ty);
+  const dim3 grid(static_cast<unsigned>((num_tokens + ty - 1) / ty));
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  auto run = [&](auto in, auto* slots) {
+    using In = decltype(in);
+    store_kvcache_fp8_kernel<In><<<grid, block, 0, s>>>(
+        reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
+        reinterpret_cast<__nv_fp8_e4m3*>(k_cache), reinterpret_cast<__nv_fp8_e4m3*>(v_cache),
+        slots, num_tokens, num_slots, static_cast<int>(num_heads), static_cast<int>(head_dim),
+        key_stride_token, key_stride_head, value_stride_token, value_stride_head, block_size,
+        k_inv_scale, v_inv_scale);
+  };
+  auto with_slots = [&](auto in) {
+    if (slot_bytes == 8) {
+      run(in, reinterpret_cast<const int64_t*>(slot_mapping));
+    } else {
+      run(in, reinterpret_cast<const int32_t*>(slot_mapping));
+    }
+  };
+  if (dtype == 0) {
+    with_slots(__half{});
+  } else if (dtype == 1) {
+    with_slots(__nv_bfloat16{});
+  } else {
+    with_slots(0.0f);
+  }
+  check(cudaGetLastError(), "store_kvcache_fp8 launch");
 }
 
 void compute_slot_mapping(uintptr_t block_tables, int64_t table_stride, int64_t max_blocks,

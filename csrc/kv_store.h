@@ -19,6 +19,17 @@ void store_kvcache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t 
                    int64_t key_stride_head, int64_t value_stride_token,
                    int64_t value_stride_head, int64_t block_size, int device, uintptr_t stream);
 
+// As store_kvcache, into FP8 (e4m3) caches: each value x of key/value (dtype 0: fp16, 1: bf16,
+// 2: fp32; head_dim elements a row, strides in bytes) is stored as x * inv_scale rounded to
+// nearest and saturated to +-448 (k_inv_scale for keys, v_inv_scale for values).
+void store_kvcache_fp8(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
+                       uintptr_t slot_mapping, int slot_bytes, int64_t num_tokens,
+                       int64_t num_slots, int64_t num_heads, int64_t head_dim,
+                       int64_t key_stride_token, int64_t key_stride_head,
+                       int64_t value_stride_token, int64_t value_stride_head, int64_t block_size,
+                       int dtype, float k_inv_scale, float v_inv_scale, int device,
+                       uintptr_t stream);
+
 // For each of num_tokens new tokens: its sequence b (query_start_loc[b] <= t <
 // query_start_loc[b + 1]), its position start_pos[b] + t - query_start_loc[b] and its slot
 // block_tables[b][pos / block_size] * block_size + pos % block_size. Tokens past

@@ -49,6 +49,49 @@ def test_store_kvcache_matches_a_per_token_loop(dtype, heads, head_dim, block_si
     assert torch.equal(cache, expected)
 
 
+def e4m3_values() -> torch.Tensor:
+    """Every finite e4m3 value, from its bits (sign, 4 exponent bits biased by 7, 3 mantissa
+    bits; exponent 0 subnormal; S.1111.111 the NaN): the grid an FP8 cache rounds to."""
+    values = []
+    for bits in range(256):
+        sign, exponent, mantissa = bits >> 7, (bits >> 3) & 15, bits & 7
+        if exponent == 15 and mantissa == 7:
+            continue
+        if exponent == 0:
+            magnitude = mantissa / 8 * 2.0**-6
+        else:
+            magnitude = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+        values.append(-magnitude if sign else magnitude)
+    return torch.tensor(sorted(set(values)), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.37)])
+def test_store_kvcache_into_fp8_rounds_each_value_to_the_nearest_e4m3(dtype, scales):
+    """Each stored value is the e4m3 value nearest x / scale (by an independent table of the
+    format, not torch's cast), saturated at +-448; the error bound of e4m3 holds."""
+    g = torch.Generator().manual_seed(1)
+    heads, head_dim, block_size, num_blocks, n = 3, 16, 4, 6, 9
+    key = (torch.randn(n, heads, head_dim, generator=g) * 60 * scales[0]).to(dtype)
+    value = (torch.randn(n, heads, head_dim, generator=g) * 60 * scales[1]).to(dtype)
+    key[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0])  # saturated, and zero
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    layout = KVCacheLayout(1, heads, head_dim, block_size, torch.float8_e4m3fn)
+    assert layout.bytes_per_block == 2 * heads * head_dim * block_size
+    cache = layout.allocate(num_blocks)
+    ops.store_kvcache(key, value, cache[0, 0], cache[0, 1], slots, *scales)
+    grid = e4m3_values()
+    for x, stored, scale in ((key, cache[0, 0], scales[0]), (value, cache[0, 1], scales[1])):
+        got = stored[slots // block_size, :, slots % block_size].double()
+        target = (x.double() / scale).clamp(-448, 448)
+        distance = (target[..., None] - grid).abs()
+        nearest = distance.min(-1).values
+        # (the stored value is a nearest grid point: ties may go either way)
+        assert torch.equal((got - target).abs(), nearest)
+        inside = target.abs() >= 2**-6  # (normal numbers: relative error <= 2^-4)
+        assert ((got - target).abs()[inside] <= target.abs()[inside] * 2**-4).all()
+
+
 def test_store_kvcache_validates_its_inputs():
     key = torch.randn(4, 2, 8)
     cache = torch.randn(3, 2, 4, 8)
@@ -70,6 +113,7 @@ def test_store_kvcache_validates_its_inputs():
         ),
         ((key, key, cache, cache, slots.to("meta")), "must be on cpu"),
         ((key[0], key[0], cache, cache, slots), "key must be"),
+        ((key, key, cache.to(torch.float8_e4m3fn), cache, slots), "both float8_e4m3fn"),
     ]
     for args, message in cases:
         before = cache.clone()
@@ -155,3 +199,5 @@ def test_layout():
         KVCacheLayout(2, 1, 0, 2)
     with pytest.raises(ValueError, match="dtype must be one of"):
         KVCacheLayout(2, 1, 4, 2, torch.int8)
+    fp8 = KVCacheLayout(28, 8, 128, 16, torch.float8_e4m3fn)
+    assert fp8.bytes_per_block * 2 == layout.bytes_per_block  # (half of bf16's)

@@ -68,6 +68,30 @@ def test_store_kvcache(dtype, heads, head_dim, block_size, contiguous, slot_dtyp
     assert torch.equal(k_cache[blocks, :, rows], key[slots >= 0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim,block_size", [(8, 128, 16), (3, 7, 5), (2, 256, 256)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_store_kvcache_into_fp8(dtype, heads, head_dim, block_size, contiguous):
+    """The quantizing kernel stores what the torch path stores, bit for bit (both round to
+    nearest, ties to even, and saturate), K and V with their own scales."""
+    g = torch.Generator(device="cuda").manual_seed(heads * 1000 + head_dim)
+    num_blocks = 64
+    n = min(300, num_blocks * block_size - 1)
+    key, value = kv_views(n, heads, head_dim, dtype, g, contiguous)
+    key, value = key * 50, value * 900  # (some values past 448 / scale: saturated)
+    slots = torch.randperm(num_blocks * block_size, generator=g, device="cuda")[:n]
+    slots[::7] = -1
+    shape = (num_blocks, heads, block_size, head_dim)
+    k_cache = poisoned(shape, torch.float32, g).to(torch.float8_e4m3fn)
+    v_cache = poisoned(shape, torch.float32, g).to(torch.float8_e4m3fn)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ops.store_kvcache(key, value, k_cache, v_cache, slots, 0.3, 1.7)
+    ops.store_kvcache_torch(key, value, k_ref, v_ref, slots, 0.3, 1.7)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
 def test_store_kvcache_on_a_side_stream_and_in_a_cuda_graph():
     g = torch.Generator(device="cuda").manual_seed(7)
     n, heads, head_dim, block_size, num_blocks = 40, 8, 128, 16, 16

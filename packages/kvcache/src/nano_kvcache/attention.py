@@ -147,9 +147,12 @@ def _load_new_tile(
 def _attend(
     q, k, v, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, PRECISION: tl.constexpr
 ):
-    """One key tile of the online softmax (base 2): q [M, D], k and v [N, D]; visible [M, N]
-    when MASKED. Every row must see a key in the first tile it is given, so the running max is
-    finite from then on (no -inf - -inf)."""
+    """One key tile of the online softmax (base 2): q [M, D], k and v [N, D] (FP8 ones as
+    their quantized values: exact in q's dtype; the scales are folded into scale_log2 and the
+    output); visible [M, N] when MASKED. Every row must see a key in the first tile it is given,
+    so the running max is finite from then on (no -inf - -inf)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         qk = tl.where(visible, qk * scale_log2, float("-inf"))
@@ -163,6 +166,15 @@ def _attend(
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _as_cached(k, v, inv_k_scale, inv_v_scale):
+    """The new tokens' K and V as an FP8 cache holds them (x / scale, saturated, rounded):
+    attention then sees every key and value as the cache does, whichever step computes it."""
+    k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0).to(tl.float8e4nv)
+    v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0).to(tl.float8e4nv)
+    return k, v
 
 
 def _metadata_jit(pointers: list[str]):
@@ -189,6 +201,7 @@ def _decode_kernel(
     part_ml,
     part_acc,
     scale_log2,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -258,6 +271,7 @@ def _decode_kernel(
         )
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -338,13 +352,16 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int = 64,
     order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
-    q [B, heads, head_dim]; caches [blocks, kv_heads, block_size, head_dim]; block_tables int32
-    [B, max_blocks]; seq_lens int32 [B] (the context, this token included). order, optional:
-    int32 [B], a permutation of range(B), the order in which the programs take the sequences
-    (longest first balances them). Returns [B, heads, head_dim] in q's dtype.
+    q [B, heads, head_dim]; caches [blocks, kv_heads, block_size, head_dim] in q's dtype, or
+    FP8 (e4m3) holding K / k_scale and V / v_scale; block_tables int32 [B, max_blocks]; seq_lens
+    int32 [B] (the context, this token included). order, optional: int32 [B], a permutation of
+    range(B), the order in which the programs take the sequences (longest first balances
+    them). Returns [B, heads, head_dim] in q's dtype.
     """
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -378,7 +395,8 @@ def paged_decode(
         out,
         part_ml,
         part_acc,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -428,6 +446,9 @@ def _prefill_kernel(
     query_start_loc,
     out_ptr,
     scale_log2,
+    inv_k_scale,
+    inv_v_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -449,6 +470,7 @@ def _prefill_kernel(
     TMA: tl.constexpr,
     CACHE: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -551,6 +573,8 @@ def _prefill_kernel(
             TMA,
             padded,
         )
+        if FP8:
+            k, v = _as_cached(k, v, inv_k_scale, inv_v_scale)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
     for j in range(diagonal, tl.minimum(diagonal + BLOCK_M, q_len), BLOCK_N):
         # (a visible key is at most the query's row, so never past this sequence's tokens)
@@ -569,12 +593,14 @@ def _prefill_kernel(
             TMA,
             True,
         )
+        if FP8:
+            k, v = _as_cached(k, v, inv_k_scale, inv_v_scale)
         visible = (j + n)[None, :] <= m_offs[:, None]
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, scale_log2, visible, True, PRECISION)
 
     tl.store(
         out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
-        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        (acc * v_scale / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
 
@@ -645,6 +671,8 @@ def paged_prefill(
     tile: tuple[int, int, int, int] | None = None,
     tma: bool | None = None,
     cached_prefix: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context and themselves.
 
@@ -657,7 +685,9 @@ def paged_prefill(
     ``cached_prefix=False`` says that no sequence has tokens before its new ones (seq_lens
     equal to the new tokens): the kernel then leaves out that path, which is faster; the
     keys before would be ignored. ``tile``: (block_m, block_n, num_warps, num_stages), block_n
-    dividing block_m (default: ``prefill_tile``). Returns [T, heads, head_dim].
+    dividing block_m (default: ``prefill_tile``). FP8 (e4m3) caches hold K / k_scale and
+    V / v_scale; the new tokens' k and v are then rounded as the cache holds them, so that
+    attention sees the same keys and values in every step. Returns [T, heads, head_dim].
     """
     tokens, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -717,7 +747,10 @@ def paged_prefill(
         seq_lens,
         query_start_loc,
         out,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -739,6 +772,7 @@ def paged_prefill(
         TMA=tma,
         CACHE=cache,
         PRECISION=_precision(q),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
         num_stages=num_stages,
     )

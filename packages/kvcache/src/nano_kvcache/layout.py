@@ -20,9 +20,24 @@ if TYPE_CHECKING:  # torch is imported when a layout is made, not with the packa
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes of K and V as a model computes them."""
     import torch
 
     return (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cache_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes a cache may hold: the model's, or FP8 (e4m3) with a scale per layer for K
+    and for V (a stored value is round(x / scale), clamped to +-448; ``ops.quantize_fp8``)."""
+    import torch
+
+    return (*supported_dtypes(), torch.float8_e4m3fn)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    import torch
+
+    return dtype == torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -42,8 +57,8 @@ class KVCacheLayout:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.dtype is None:
             object.__setattr__(self, "dtype", torch.bfloat16)
-        if self.dtype not in supported_dtypes():
-            raise ValueError(f"dtype must be one of {supported_dtypes()}, got {self.dtype}")
+        if self.dtype not in cache_dtypes():
+            raise ValueError(f"dtype must be one of {cache_dtypes()}, got {self.dtype}")
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)

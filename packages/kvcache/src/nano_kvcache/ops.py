@@ -22,9 +22,13 @@ except ModuleNotFoundError as e:
     ) from None
 
 from nano_kvcache import __version__
-from nano_kvcache.layout import supported_dtypes
+from nano_kvcache.layout import is_fp8, supported_dtypes
 
 SUPPORTED_DTYPES = supported_dtypes()
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+# (the extension's code of each K/V dtype, for the quantizing store)
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -74,19 +78,46 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write the K and V of N new tokens into one layer's paged cache.
 
     key, value: [N, num_kv_heads, head_dim], fp16/bf16/fp32, last dim contiguous, any token and
     head strides. k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim], contiguous,
-    same dtype. slot_mapping: int32/int64 [N]; token i goes to slot ``slot_mapping[i]``; slots
-    < 0 are padding and skipped (the CUDA kernel also skips slots past the cache).
+    key's dtype, or float8_e4m3fn: then each value is stored as round(x / scale) clamped to
+    +-448 (``quantize_fp8``), ``k_scale`` for the keys and ``v_scale`` for the values.
+    slot_mapping: int32/int64 [N]; token i goes to slot ``slot_mapping[i]``; slots < 0 are
+    padding and skipped (the CUDA kernel also skips slots past the cache).
     """
     num_tokens, num_heads, head_dim = check_store_args(key, value, k_cache, v_cache, slot_mapping)
     if not _use_extension(key):
-        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     elem = key.element_size()
+    strides = (key.stride(0) * elem, key.stride(1) * elem, value.stride(0) * elem)
+    strides += (value.stride(1) * elem,)
+    if is_fp8(k_cache.dtype):
+        _C.store_kvcache_fp8(
+            key.data_ptr(),
+            value.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            slot_mapping.element_size(),
+            num_tokens,
+            k_cache.shape[0] * k_cache.shape[2],
+            num_heads,
+            head_dim,
+            *strides,
+            k_cache.shape[2],
+            _DTYPE_CODES[key.dtype],
+            1.0 / k_scale,
+            1.0 / v_scale,
+            key.device.index,
+            _stream(key.device),
+        )
+        return
     _C.store_kvcache(
         key.data_ptr(),
         value.data_ptr(),
@@ -98,14 +129,22 @@ def store_kvcache(
         k_cache.shape[0] * k_cache.shape[2],
         num_heads,
         head_dim * elem,
-        key.stride(0) * elem,
-        key.stride(1) * elem,
-        value.stride(0) * elem,
-        value.stride(1) * elem,
+        *strides,
         k_cache.shape[2],
         key.device.index,
         _stream(key.device),
     )
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as the cache stores it in FP8: x / scale (as x times the float32 inverse, the kernels'
+    arithmetic), clamped to +-448, rounded to e4m3 (to nearest, ties to even)."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a cached FP8 value stands for: x * scale, in ``dtype``."""
+    return (x.float() * scale).to(dtype)
 
 
 def check_store_args(
@@ -133,10 +172,12 @@ def check_store_args(
     dtype = key.dtype
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if value.dtype != dtype or k_cache.dtype != dtype or v_cache.dtype != dtype:
+    cached = FP8 if k_cache.dtype == FP8 else dtype
+    if value.dtype != dtype or k_cache.dtype != cached or v_cache.dtype != cached:
         raise ValueError(
             f"key is {dtype} but value, k_cache, v_cache are "
-            f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype} (caches: the key's dtype, or "
+            "both float8_e4m3fn)"
         )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in _SLOT_DTYPES:
         raise ValueError(
@@ -159,12 +200,16 @@ def store_kvcache_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Torch implementation of ``store_kvcache`` (no validation)."""
     block_size = k_cache.shape[2]
     slots = slot_mapping.long()
     keep = (slots >= 0) & (slots < k_cache.shape[0] * block_size)
     slots, key, value = slots[keep], key[keep], value[keep]
+    if is_fp8(k_cache.dtype):
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     blocks, rows = slots // block_size, slots % block_size
     k_cache[blocks, :, rows] = key
     v_cache[blocks, :, rows] = value
