@@ -84,6 +84,64 @@ def test_bf16_top5_logprobs_are_close_to_transformers(checkpoints):
     assert compared >= 8 * 4
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_cache_greedy_matches_transformers_rounding_k_and_v(checkpoints, backend):
+    """As on the CPU (test_fp8_kv_cache): fp32 weights, an FP8 cache, with and without CUDA
+    graphs; the store kernels (CUDA, the fused rotary) and the Triton kernels' reads."""
+    import json
+    from pathlib import Path
+
+    from test_fp8_kv_cache import hf_greedy_fp8
+
+    path = checkpoints("qwen3")
+    layers = json.loads(Path(path, "config.json").read_text())["num_hidden_layers"]
+    expected = hf_greedy_fp8(path, sample_prompts(), [(1.0, 1.0)] * layers)
+    for eager in (True, False):
+        options = {
+            "device": "cuda",
+            "dtype": "float32",
+            "kv_cache_dtype": "fp8",
+            "enforce_eager": eager,
+            "kvcache_block_size": 4,
+            "max_num_seqs": 16,
+            "gpu_memory_utilization": 0.3,
+            "attention_backend": backend,
+        }
+        with LLM(path, **options) as llm:
+            assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+            outputs = llm.generate(
+                sample_prompts(),
+                SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                use_tqdm=False,
+            )
+        assert [o.outputs[0].token_ids for o in outputs] == expected, options
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
+def test_an_fp8_cache_keeps_bf16s_top5(checkpoints, model):
+    """vLLM's check_logprobs_close between the bf16 and FP8 caches of one bf16 model: the tiny
+    checkpoint, and Qwen3-0.6B's shape with dummy weights."""
+    from pathlib import Path
+
+    from nano_engine.accuracy import compare
+
+    if model == "tiny":
+        path, extra = checkpoints("qwen3", dtype=torch.bfloat16), {}
+    else:
+        config = Path(__file__).resolve().parents[3] / "benchmarks/configs/qwen3-0.6b.json"
+        path = str(config)
+        extra = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 2048}
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
+    runs = []
+    for cache in ("auto", "fp8"):
+        options = {"device": "cuda", "kv_cache_dtype": cache, "gpu_memory_utilization": 0.3}
+        with LLM(path, **options, **extra) as llm:
+            runs.append(llm.generate(sample_prompts(), params, use_tqdm=False))
+    agreement = compare(*runs, k=5)
+    assert agreement.passed, agreement.summary()
+    assert agreement.positions >= 8 * 4
+
+
 def test_async_scheduling_never_waits_for_the_device_in_the_step_path(checkpoints):
     """Async scheduling hides the host's work only if nothing between two token reads waits for
     the device: with CUDA's sync debug mode set to error, a synchronizing call anywhere in the

@@ -118,6 +118,33 @@ def test_stores_k_and_v_as_store_kvcache(dtype, norm, heads, kv_heads, dim, bloc
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.skipif(INTERPRET, reason="Triton 3.6's interpreter rounds some values to e4m3 wrongly")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stores_k_and_v_into_an_fp8_cache_as_store_kvcache(dtype):
+    """Into an FP8 cache: K (normed, rotated, in the model's dtype) and V divided by their
+    scales and rounded as nano_kvcache's store rounds them, bit for bit where the rotated K
+    is the same, and within one e4m3 step where it differs by the last bit of the dtype."""
+    heads, kv_heads, dim, block_size, tokens, num_blocks = 8, 2, 128, 16, 23, 4
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 30).to(DEVICE, dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
+    rotary = RotaryEmbedding(dim, 512, 10_000.0).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    shape = (num_blocks, kv_heads, block_size, dim)
+
+    def caches():
+        return (torch.zeros(shape, device=DEVICE).to(torch.float8_e4m3fn) for _ in range(2))
+
+    want_k, want_v = caches()
+    rotary.split_qkv(positions, qkv, heads, kv_heads, kv_cache=(want_k, want_v, slots, 0.1, 0.2))
+    rotary.fused = qk_norm_rope
+    got_k, got_v = caches()
+    rotary.split_qkv(positions, qkv, heads, kv_heads, kv_cache=(got_k, got_v, slots, 0.1, 0.2))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    step = want_k.float().abs() * 2**-3 + 2**-9  # (one e4m3 step at these magnitudes)
+    assert ((got_k.float() - want_k.float()).abs() <= step).all()
+
+
 def test_bad_arguments():
     qkv = torch.randn(4, 10 * 64, device=DEVICE)
     cos_sin = RotaryEmbedding(64, 128, 10_000.0).cos_sin.to(DEVICE)

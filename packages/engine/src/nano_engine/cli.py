@@ -26,6 +26,7 @@ from nano_engine.config import (
     DATA_PARALLEL_BACKENDS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     EngineConfig,
 )
@@ -215,6 +216,13 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         str,
         tuple(sorted(REASONING_PARSERS)),
     ),
+    "kv_cache_dtype": EngineOption(
+        ("--kv-cache-dtype",),
+        "auto: the model's dtype; fp8 (fp8_e4m3): K and V in e4m3 with a scale per layer (the "
+        "checkpoint's, else 1), twice the tokens in the same memory",
+        str,
+        KV_CACHE_DTYPES,
+    ),
     "data_parallel_size": EngineOption(
         ("--data-parallel-size", "-dp"),
         "engine replicas, each with its own GPU(s), behind one server (or LLM)",
@@ -387,6 +395,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_options(bench)
 
+    acc = command(
+        "accuracy",
+        "how close a quantized engine (--kv-cache-dtype fp8) stays to the same engine without",
+    )
+    acc.add_argument(
+        "model",
+        help="checkpoint directory or Hugging Face hub id (ORG/NAME), or a config.json with "
+        "--load-format dummy",
+    )
+    acc.add_argument("--prompts-file", type=Path, help="text prompts, one per line")
+    acc.add_argument(
+        "--num-prompts", type=_positive, default=32, help="random prompts (without a file)"
+    )
+    acc.add_argument(
+        "--input-len",
+        type=_positive,
+        nargs=2,
+        default=(32, 512),
+        metavar=("MIN", "MAX"),
+        help="random prompts' lengths, uniform in MIN..MAX (default: 32 512)",
+    )
+    acc.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens a prompt")
+    acc.add_argument("--top-k", type=_positive, default=5, help="the top-k each token must be in")
+    acc.add_argument("--prompt-seed", type=int, default=0, help="the random prompts' seed")
+    acc.add_argument("--json", type=Path, help="write the comparison as JSON")
+    add_engine_options(acc)
+
     srv = command("serve", "an OpenAI-compatible HTTP server")
     srv.add_argument("model", help="checkpoint directory or Hugging Face hub id (ORG/NAME)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -507,7 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        commands = {"generate": generate, "bench": bench, "serve": serve, "profile": profile}
+        commands = {
+            "generate": generate,
+            "bench": bench,
+            "accuracy": accuracy,
+            "serve": serve,
+            "profile": profile,
+        }
         return commands[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"nano-engine: error: {in_flags(str(e))}", file=sys.stderr)
@@ -667,6 +708,42 @@ def bench(args: argparse.Namespace) -> int:
 def _delta(before: list[dict | None], after: list[dict | None], key: str):
     """How much ``key`` grew over a run, summed over the replicas that served throughout."""
     return sum(a[key] - b[key] for a, b in zip(after, before) if a is not None and b is not None)
+
+
+def accuracy(args: argparse.Namespace) -> int:
+    """Greedy runs of the reference engine (the options, unquantized) and of the quantized
+    one over the same prompts, compared (``nano_engine.accuracy``)."""
+    from nano_engine import LLM, SamplingParams
+    from nano_engine.accuracy import compare, format_agreement
+
+    kwargs = engine_kwargs(args)
+    reference = {**kwargs, "kv_cache_dtype": "auto"}
+    if reference == kwargs:
+        raise ValueError("nothing to compare: quantize the candidate (--kv-cache-dtype fp8)")
+    if args.prompts_file is not None:
+        prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"{args.prompts_file} holds no prompt")
+    else:
+        if kwargs["load_format"] == "dummy" and kwargs["tokenizer"] is None:
+            kwargs["skip_tokenizer_init"] = reference["skip_tokenizer_init"] = True
+        _, prompts, _ = bench_workload(args.prompt_seed, args.num_prompts, args.input_len, (1, 1))
+    params = SamplingParams(
+        temperature=0, max_tokens=args.max_tokens, logprobs=args.top_k, ignore_eos=True
+    )
+    outputs = []
+    for name, options in (("reference", reference), ("candidate", kwargs)):
+        status(f"{name}: loading {args.model} ...")
+        with LLM(args.model, **options) as llm:
+            vocab = llm.engine.model_config.vocab_size
+            if not isinstance(prompts[0], str):
+                prompts = [[t % vocab for t in p] for p in prompts]
+            outputs.append(llm.generate(prompts, params))
+    agreement = compare(*outputs, k=args.top_k)
+    print(format_agreement(agreement))
+    if args.json:
+        args.json.write_text(json.dumps(agreement.summary(), indent=2))
+    return 0
 
 
 def auto_tool_parser(args: argparse.Namespace) -> str | None:

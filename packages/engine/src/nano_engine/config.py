@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
 DATA_PARALLEL_BACKENDS = ("ray", "mp")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # (vLLM's names; fp8 is e4m3)
 # nano_models' attention backends (its BACKEND_NAMES; named here so that the command line's
 # help does not import torch)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -36,6 +37,9 @@ class EngineConfig:
     with tensor parallelism rank 0 broadcasts them to the workers); default on.
     reasoning_parser (``qwen3``, ``deepseek_r1``): chat outputs split into reasoning and
     content, and a structured output's constraint applies once the reasoning has ended.
+    kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` (``fp8_e4m3``): the cache holds K
+    and V in e4m3 with a scale per layer for each (the checkpoint's k_scale / v_scale, else 1),
+    half the bytes of bf16 per token.
     data_parallel_size: engine replicas, each with its own device(s) (tensor_parallel_size
     GPUs), behind one front that routes each request by ``router`` (``nano_scheduler.router``:
     least_tokens, prefix_aware, round_robin); data_parallel_backend ``ray`` places them as Ray
@@ -67,6 +71,7 @@ class EngineConfig:
     max_logprobs: int = 20
     reasoning_parser: str | None = None
     revision: str | None = None
+    kv_cache_dtype: str = "auto"
     data_parallel_size: int = 1
     data_parallel_backend: str = "ray"
     data_parallel_address: str | None = None
@@ -114,6 +119,7 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("attention_backend", ATTENTION_BACKENDS),
             ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("router", tuple(sorted(ROUTERS))),
         ):
             if getattr(self, name) not in allowed:
@@ -158,6 +164,10 @@ class EngineConfig:
         if isinstance(kwargs.get("tokenizer"), str):
             kwargs["tokenizer"] = hub.resolve(kwargs["tokenizer"], kind="tokenizer")
         return cls(model=model, **kwargs)
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def use_async_scheduling(self) -> bool:

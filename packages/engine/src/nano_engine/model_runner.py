@@ -168,8 +168,9 @@ class ModelRunner:
             log.info("%s runs without CUDA graphs", model_config.architecture)
         if device.type == "cuda" and not self.eager:
             compile_layers(self.model)
+        kv_dtype = torch.float8_e4m3fn if config.fp8_kv_cache else self.dtype
         backend = choose_attention_backend(
-            config.attention_backend, device, self.block_size, self.dtype
+            config.attention_backend, device, self.block_size, self.dtype, config.fp8_kv_cache
         )
         self.backend = get_attention_backend(backend)
         log.info(
@@ -186,7 +187,7 @@ class ModelRunner:
             attn.num_kv_heads,
             model_config.head_dim,
             self.block_size,
-            self.dtype,
+            kv_dtype,
         )
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = self.layout.allocate(self.num_blocks, device)

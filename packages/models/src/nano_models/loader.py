@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def load_model(
 def _fill_random(model: nn.Module, seed: int) -> nn.Module:
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if getattr(param, "optional", False):
+            continue  # (its default: the checkpoint's value, when it has one)
         device = param.device
         if device not in generators:
             generators[device] = torch.Generator(device=device).manual_seed(seed)
@@ -114,6 +117,10 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
     if tied:
         expected.pop("lm_head.weight", None)
     loaded: dict[str, set] = {name: set() for name in expected}
+    # (parameters a checkpoint may leave out, as an FP8 KV cache's scales: their defaults stay)
+    for name, param in params.items():
+        if getattr(param, "optional", False):
+            expected.pop(name, None)
     unexpected: list[str] = []
     seen: dict[str, str] = {}  # tensor name -> the file it came from
     report = LoadReport()
@@ -123,7 +130,7 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = own_target(name) or _target(name, mapping)
+                target, shard = own_target(name) or _kv_scale(name) or _target(name, mapping)
                 if target not in loaded:
                     unexpected.append(name)
                     continue
@@ -157,6 +164,20 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
     if missing:
         raise ValueError(f"tensors missing from the checkpoint: {missing}")
     return report
+
+
+# An FP8 KV cache's scales as checkpoints name them (AutoFP8's self_attn.k_scale, and the
+# k_proj.k_scale / k_proj.output_scale of other quantizers), for our attention layer's.
+_KV_SCALE = re.compile(
+    r"(?P<attn>.*\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.(?:[kv]_scale|output_scale))"
+)
+
+
+def _kv_scale(name: str) -> tuple[str, None] | None:
+    m = _KV_SCALE.fullmatch(name)
+    if m is None:
+        return None
+    return f"{m['attn']}.attn.{m['kv'] or m['proj']}_scale", None
 
 
 def _target(name: str, mapping: dict) -> tuple[str, object]:

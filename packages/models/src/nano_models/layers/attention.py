@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano_kvcache.layout import is_fp8
+from nano_kvcache.ops import dequantize_fp8
 from nano_models.context import ForwardContext
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -27,6 +29,7 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_fp8_cache: ClassVar[bool] = True  # reads float8_e4m3fn caches with their scales
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -44,10 +47,13 @@ class AttentionBackend(ABC):
         ctx: ForwardContext,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """q [T, heads, head_dim]; k, v [T, kv_heads, head_dim], the step's own K/V, already
         in the caches [num_blocks, kv_heads, block_size, head_dim] (a backend reads them from
-        either). Returns [T, heads, head_dim]: ``out`` when given (any strides)."""
+        either). FP8 caches hold K / k_scale and V / v_scale (``kv_scales``): attention sees
+        every key and value as the cache holds it, the step's own too. Returns [T, heads,
+        head_dim]: ``out`` when given (any strides)."""
 
 
 # Backends with optional dependencies: registered when their module imports.
@@ -82,15 +88,19 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def choose_attention_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16
+    name: str,
+    device: torch.device,
+    block_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8_cache: bool = False,
 ) -> str:
-    """``auto``: flash-attn if it imports, the block size is a multiple of 256 and the dtype is
-    fp16 or bf16 (all it takes), else Triton on CUDA, else torch. Any other name is checked
-    against the device, block size and dtype."""
+    """``auto``: flash-attn if it imports, the block size is a multiple of 256, the dtype is
+    fp16 or bf16 and the cache is not FP8 (all it takes), else Triton on CUDA, else torch. Any
+    other name is checked against the device, block size, dtype and cache."""
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         if device.type == "cuda":
-            if block_size % 256 == 0 and half and _load_optional("flash_attn"):
+            if block_size % 256 == 0 and half and not fp8_cache and _load_optional("flash_attn"):
                 return "flash_attn"
             if _load_optional("triton"):
                 return "triton"
@@ -103,6 +113,11 @@ def choose_attention_backend(
         )
     if name == "flash_attn" and not half:
         raise ValueError(f"the flash_attn backend needs float16 or bfloat16, got {dtype}")
+    if name == "flash_attn" and fp8_cache:
+        raise ValueError(
+            "the flash_attn backend does not read an FP8 KV cache: choose the triton (or "
+            "torch) attention backend, or kv_cache_dtype auto"
+        )
     return name
 
 
@@ -115,7 +130,7 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None, kv_scales=(1.0, 1.0)):
         out = torch.empty_like(q) if out is None else out
         qsl, block_size = ctx.query_start_loc_cpu, k_cache.shape[2]
         for b in range(ctx.num_prefills):
@@ -129,6 +144,7 @@ class TorchAttention(AttentionBackend):
                     ctx.block_tables[b : b + 1, :width],
                     ctx.seq_lens[b : b + 1],
                     scale,
+                    kv_scales,
                 )
         if ctx.num_decodes:
             first, seqs = ctx.num_prefill_tokens, slice(ctx.num_prefills, ctx.num_seqs)
@@ -139,19 +155,21 @@ class TorchAttention(AttentionBackend):
                 ctx.block_tables[seqs],
                 ctx.seq_lens[seqs],
                 scale,
+                kv_scales,
             )
         return out
 
     @staticmethod
-    def _attend(q, k_cache, v_cache, tables, lens, scale):
+    def _attend(q, k_cache, v_cache, tables, lens, scale, kv_scales=(1.0, 1.0)):
         """One prefill chunk (one sequence, n queries) or a batch of decodes (one query each):
         query i of a sequence of context L with n queries sits at position L - n + i."""
         block_size = k_cache.shape[2]
         blocks = tables.long().clamp(min=0)  # [B, nb]; -1 padding is masked below
         batch, heads, dim = blocks.shape[0], k_cache.shape[1], k_cache.shape[3]
 
-        def gather(cache):  # [B, kv_heads, nb * block_size, head_dim]
-            return cache[blocks].permute(0, 2, 1, 3, 4).reshape(batch, heads, -1, dim)
+        def gather(cache, scale):  # [B, kv_heads, nb * block_size, head_dim] in q's dtype
+            x = cache[blocks].permute(0, 2, 1, 3, 4).reshape(batch, heads, -1, dim)
+            return dequantize_fp8(x, scale, q.dtype) if is_fp8(x.dtype) else x
 
         n = q.shape[0] // batch
         lens_t = lens.long()[:, None, None]  # [B, 1, 1]
@@ -159,8 +177,8 @@ class TorchAttention(AttentionBackend):
         valid = key_pos < lens_t  # [B, 1, keys]
         # Slots past a sequence's end hold whatever was there (NaN included): zero them, since
         # a masked score times a NaN value is still NaN.
-        keys = gather(k_cache).masked_fill_(~valid[..., None], 0)
-        values = gather(v_cache).masked_fill_(~valid[..., None], 0)
+        keys = gather(k_cache, kv_scales[0]).masked_fill_(~valid[..., None], 0)
+        values = gather(v_cache, kv_scales[1]).masked_fill_(~valid[..., None], 0)
         query_pos = lens_t - n + torch.arange(n, device=q.device)[None, :, None]
         mask = (key_pos <= query_pos) & valid  # [B, n, keys]
         queries = q.view(batch, n, *q.shape[1:]).transpose(1, 2)  # [B, heads, n, head_dim]
@@ -186,6 +204,12 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttention()
+        # An FP8 cache's scales of K and V: a checkpoint's (``k_scale``, ``v_scale``), else 1.
+        self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        for param in (self.k_scale, self.v_scale):
+            param.optional = True  # (not in every checkpoint: the loader does not ask for it)
+        self.kv_scales = (1.0, 1.0)
 
     def bind(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend | None = None
@@ -193,12 +217,21 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
         if backend is not None:
             self.backend = backend
+        self.kv_scales = (1.0, 1.0)
+        if is_fp8(k_cache.dtype):
+            if not self.backend.supports_fp8_cache:
+                raise ValueError(f"attention backend {self.backend.name} cannot read an FP8 cache")
+            scales = (float(self.k_scale), float(self.v_scale))  # (once: a sync on CUDA)
+            if not all(0 < x < float("inf") for x in scales):
+                raise ValueError(f"the KV cache scales must be finite and > 0, got {scales}")
+            self.kv_scales = scales
 
-    def cache(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache, slot_mapping): where this step's K and V go."""
+    def cache(self, ctx: ForwardContext) -> tuple:
+        """(k_cache, v_cache, slot_mapping, k_scale, v_scale): where this step's K and V go,
+        and how an FP8 cache scales them."""
         if self.k_cache is None:
             raise RuntimeError("the attention layer has no KV cache: call model.bind_kv_cache")
-        return self.k_cache, self.v_cache, ctx.slot_mapping
+        return self.k_cache, self.v_cache, ctx.slot_mapping, *self.kv_scales
 
     def forward(
         self,
@@ -211,5 +244,9 @@ class Attention(nn.Module):
         """Attention of q over the cache, which already holds k and v (``cache(ctx)`` says
         where they go; ``RotaryEmbedding.split_qkv`` stores them there); into ``out`` [T,
         heads, head_dim] when given."""
-        k_cache, v_cache, _ = self.cache(ctx)
-        return self.backend.forward(q, k, v, k_cache, v_cache, ctx, self.scale, out)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None:
+            raise RuntimeError("the attention layer has no KV cache: call model.bind_kv_cache")
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, ctx, self.scale, out, kv_scales=self.kv_scales
+        )

@@ -12,9 +12,10 @@ from nano_models.layers.attention import AttentionBackend
 class FlashAttention(AttentionBackend):
     name = "flash_attn"
     supports_cuda_graphs = True
+    supports_fp8_cache = False
     block_size_multiple = 256
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None, kv_scales=(1.0, 1.0)):
         k_view, v_view = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         out = q.new_empty(q.shape) if out is None else out
         prefills, first = ctx.num_prefills, ctx.num_prefill_tokens

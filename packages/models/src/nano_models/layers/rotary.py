@@ -132,8 +132,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [T, (kv_)heads, head_dim] of a qkv projection's output [T, (heads + 2 *
         kv_heads) * head_dim], q and k rotated, after the per-head RMSNorms when given. With
-        ``kv_cache`` (k_cache, v_cache, slot_mapping) k and v are also stored in the cache (by
-        the fused kernel itself, when there is one)."""
+        ``kv_cache`` (k_cache, v_cache, slot_mapping, and an FP8 cache's k_scale, v_scale) k and
+        v are also stored in the cache (by the fused kernel itself, when there is one)."""
         head_dim = self.cos_sin.shape[1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         v = qkv[:, q_size + kv_size :].view(-1, num_kv_heads, head_dim)

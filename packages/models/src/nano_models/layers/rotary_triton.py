@@ -25,11 +25,13 @@ def _norm_rotate(
     eps,
     stride_ch,
     keep,
+    inv_scale,
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One token's heads at src (head_dim = 2 * HALF apart) -> dst, contiguous, and with STORE
     -> cache (heads stride_ch apart: the token's cache row) where keep."""
@@ -54,8 +56,17 @@ def _norm_rotate(
     tl.store(dst + offsets + HALF, y2, mask=mask)
     if STORE:
         cached = h[:, None] * stride_ch + c[None, :]
+        if FP8:  # (from the values in the model's dtype, as the store op quantizes them)
+            y1 = _to_fp8(y1, inv_scale)
+            y2 = _to_fp8(y2, inv_scale)
         tl.store(cache + cached, y1, mask=mask & keep)
         tl.store(cache + cached + HALF, y2, mask=mask & keep)
+
+
+@triton.jit
+def _to_fp8(x, inv_scale):
+    """x as an FP8 cache stores it: x / scale, saturated at +-448, rounded to e4m3."""
+    return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -80,12 +91,15 @@ def _qk_norm_rope_kernel(
     num_q,
     num_k,
     eps,
+    inv_k_scale,
+    inv_v_scale,
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(positions + t)
@@ -106,11 +120,13 @@ def _qk_norm_rope_kernel(
         eps,
         0,
         False,
+        1.0,
         HAS_NORM,
         False,
         BLOCK_Q,
         HALF,
         BLOCK_HALF,
+        False,
     )
     k_src = row + num_q * head_dim
     # With STORE the token's K and V also go to its cache slot (slots < 0 are padding, skipped,
@@ -132,17 +148,21 @@ def _qk_norm_rope_kernel(
         eps,
         stride_ch,
         keep,
+        inv_k_scale,
         HAS_NORM,
         STORE,
         BLOCK_K,
         HALF,
         BLOCK_HALF,
+        FP8,
     )
     if STORE:
         h = tl.arange(0, BLOCK_K)
         d = tl.arange(0, 2 * BLOCK_HALF)
         mask = (h < num_k)[:, None] & (d < head_dim)[None, :] & keep
         v = tl.load(k_src + num_k * head_dim + h[:, None] * head_dim + d[None, :], mask=mask)
+        if FP8:
+            v = _to_fp8(v, inv_v_scale)
         tl.store(v_cache + offset + h[:, None] * stride_ch + d[None, :], v, mask=mask)
 
 
@@ -161,10 +181,10 @@ def qk_norm_rope(
 
     qkv [T, (heads + 2 * kv_heads) * head_dim], rows contiguous; positions [T] int64; cos_sin
     [max_positions, head_dim] float32 (cos then sin); q_weight, k_weight [head_dim] (both or
-    neither). With ``kv_cache`` = (k_cache, v_cache, slot_mapping) the kernel also writes each
-    token's K and V into its slot, as ``nano_kvcache.ops.store_kvcache`` would (one kernel
-    less per layer). Returns q [T, heads, head_dim] and k [T, kv_heads, head_dim] in qkv's
-    dtype.
+    neither). With ``kv_cache`` = (k_cache, v_cache, slot_mapping[, k_scale, v_scale]) the
+    kernel also writes each token's K and V into its slot, as ``nano_kvcache.ops.store_kvcache``
+    would, quantized into an FP8 cache (one kernel less per layer). Returns q [T, heads,
+    head_dim] and k [T, kv_heads, head_dim] in qkv's dtype.
     """
     tokens = qkv.shape[0]
     head_dim = cos_sin.shape[1]
@@ -174,8 +194,10 @@ def qk_norm_rope(
         raise ValueError("give both norm weights or neither")
     q = qkv.new_empty(tokens, num_heads, head_dim)
     k = qkv.new_empty(tokens, num_kv_heads, head_dim)
+    scales = (1.0, 1.0)
     if kv_cache is not None:
-        k_cache, v_cache, slots = kv_cache
+        k_cache, v_cache, slots, *rest = kv_cache
+        scales = tuple(rest) or scales
         ops.check_store_args(k, k, k_cache, v_cache, slots)
         strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         block_size, num_slots = k_cache.shape[2], k_cache.shape[0] * k_cache.shape[2]
@@ -203,8 +225,11 @@ def qk_norm_rope(
             num_heads,
             num_kv_heads,
             eps,
+            1.0 / scales[0],
+            1.0 / scales[1],
             HAS_NORM=has_norm,
             STORE=kv_cache is not None,
+            FP8=kv_cache is not None and k_cache.dtype == torch.float8_e4m3fn,
             BLOCK_Q=triton.next_power_of_2(num_heads),
             BLOCK_K=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,

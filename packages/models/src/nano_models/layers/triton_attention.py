@@ -11,7 +11,8 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, out=None, kv_scales=(1.0, 1.0)):
+        k_scale, v_scale = kv_scales
         out = q.new_empty(q.shape) if out is None else out
         prefills, first = ctx.num_prefills, ctx.num_prefill_tokens
         if prefills:
@@ -28,6 +29,8 @@ class TritonAttention(AttentionBackend):
                 scale,
                 out=out[:first],
                 cached_prefix=ctx.cached_prefix,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if ctx.num_decodes:
             end = first + ctx.num_decodes
@@ -40,5 +43,7 @@ class TritonAttention(AttentionBackend):
                 scale,
                 out=out[first:end],
                 order=ctx.decode_order,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
