@@ -336,3 +336,21 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_choose():
     assert ModelShape.from_hf_config(config).sparse_layers == layers - 2
     dense = ModelShape.from_hf_config(Path(path).with_name("qwen3-8b.json"))
     assert dense.weight_bytes_read(1) == dense.weight_bytes
+
+
+def test_an_fp8_kv_cache_halves_the_bytes_a_token_keeps_and_reads():
+    import dataclasses
+
+    model = ModelShape.from_hf_config(QWEN3_06B)
+    fp8 = dataclasses.replace(model, kv_dtype_bytes=1)
+    assert fp8.kv_bytes_per_token * 2 == model.kv_bytes_per_token
+    batch = BatchShape([], [4000] * 64, 64)
+    bf16_step = RooflineCostModel(model, H200).step_time(batch)
+    fp8_step = RooflineCostModel(fp8, H200).step_time(batch)
+    assert 0.45 < fp8_step / bf16_step < 0.75  # (the KV reads halve; the weights do not)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nano_scheduler.sim.cli", "--synthetic", "20",
+         "--model-config", str(QWEN3_06B), "--kv-cache-dtype", "fp8"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "137010 KV blocks" in proc.stdout, proc.stderr

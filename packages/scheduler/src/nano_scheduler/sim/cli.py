@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -94,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-blocks", type=int, help="KV blocks (without a profile: from the GPU's memory)"
     )
     s.add_argument("--gpu-memory-utilization", type=float, help="(0.9; without a profile)")
+    s.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        help="the KV cache's (auto: the model's dtype; fp8: one byte a value; without a profile)",
+    )
     s.add_argument("--max-num-seqs", type=int, help="(256)")
     s.add_argument("--max-num-batched-tokens", type=int, help="(16384)")
     s.add_argument("--max-model-len", type=int, help="(the model's max positions)")
@@ -205,6 +211,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.profile:
         measured = {**roofline, "--fitted": args.fitted}
         measured["--gpu-memory-utilization"] = args.gpu_memory_utilization
+        measured["--kv-cache-dtype"] = args.kv_cache_dtype
         problems += [f"{f} would be ignored with --profile" for f, v in measured.items() if v]
     else:
         if args.model_config is None:
@@ -412,6 +419,8 @@ def _from_profile(args, hf_config, requests) -> tuple[Callable, str]:
 
 def _from_model(args, hf_config, requests) -> tuple[Callable, str]:
     model = ModelShape.from_hf_config(hf_config)
+    if args.kv_cache_dtype == "fp8":
+        model = dataclasses.replace(model, kv_dtype_bytes=1)
     gpu = GPU.preset(args.gpu or "h200")
     gpu = GPU(
         gpu.name,

@@ -145,6 +145,7 @@ class ModelShape:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: int = 0
+    kv_dtype_bytes: int | None = None  # the KV cache's (an FP8 cache: 1); None: dtype_bytes
 
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelShape:
@@ -227,7 +228,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        elem = self.kv_dtype_bytes or self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @property
     def flops_per_token(self) -> int:
