@@ -126,7 +126,7 @@ def test_every_option_of_every_command_has_help_and_shows_its_default():
     parser = cli.build_parser()
     assert "serve" in parser.format_usage() and "serve" in parser.format_help()
     commands = subcommands()
-    assert set(commands) == {"generate", "bench", "serve", "profile"}
+    assert set(commands) == {"generate", "bench", "accuracy", "serve", "profile"}
     for name, sub in [("", parser), *commands.items()]:
         sub.format_help()  # (every %(default)s expands)
         for action in sub._actions:

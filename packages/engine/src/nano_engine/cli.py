@@ -1,7 +1,9 @@
-"""The nano-engine command: generate text, benchmark, serve, or profile for nano-sim.
+"""The nano-engine command: generate text, benchmark, check a quantization's accuracy, serve, or
+profile for nano-sim.
 
 nano-engine generate MODEL --prompt "Hello" [--max-tokens 64] [--temperature 0]
 nano-engine bench MODEL --load-format dummy [--num-seqs 256] [--input-len 100 1024]
+nano-engine accuracy MODEL --kv-cache-dtype fp8   (against the same engine without it)
 nano-engine serve MODEL [--port 8000]
 nano-engine profile MODEL --load-format dummy --out profile.json   (then: nano-sim --profile)
 """
