@@ -142,6 +142,53 @@ def test_an_fp8_cache_keeps_bf16s_top5(checkpoints, model):
     assert agreement.positions >= 8 * 4
 
 
+def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
+    checkpoints, tmp_path
+):
+    """The block-scaled Triton kernel (fp32 activations) in and out of CUDA graphs."""
+    from nano_models.testing import fp8_checkpoint
+
+    path, plain = fp8_checkpoint(
+        checkpoints("qwen3"), tmp_path / "fp8", tmp_path / "plain", (16, 16)
+    )
+    expected = hf_greedy(str(plain), sample_prompts())
+    for eager in (True, False):
+        options = {"device": "cuda", "dtype": "float32", "enforce_eager": eager}
+        with LLM(str(path), kvcache_block_size=4, gpu_memory_utilization=0.3, **options) as llm:
+            outputs = llm.generate(
+                sample_prompts(),
+                SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                use_tqdm=False,
+            )
+        assert [o.outputs[0].token_ids for o in outputs] == expected, options
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
+@pytest.mark.parametrize("what", ["weights", "weights+cache"])
+def test_fp8_weights_keep_bf16s_top5(checkpoints, model, what):
+    """quantization="fp8" (torch._scaled_mm, per-token activations), with and without the FP8
+    cache, against the bf16 engine: vLLM's check_logprobs_close."""
+    from pathlib import Path
+
+    from nano_engine.accuracy import compare
+
+    if model == "tiny":
+        path, extra = checkpoints("qwen3", dtype=torch.bfloat16), {}
+    else:
+        path = str(Path(__file__).resolve().parents[3] / "benchmarks/configs/qwen3-0.6b.json")
+        extra = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 2048}
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
+    quantized = {"quantization": "fp8"}
+    if what == "weights+cache":
+        quantized["kv_cache_dtype"] = "fp8"
+    runs = []
+    for options in ({}, quantized):
+        with LLM(path, device="cuda", gpu_memory_utilization=0.3, **options, **extra) as llm:
+            runs.append(llm.generate(sample_prompts(), params, use_tqdm=False))
+    agreement = compare(*runs, k=5)
+    assert agreement.passed, agreement.summary()
+
+
 def test_async_scheduling_never_waits_for_the_device_in_the_step_path(checkpoints):
     """Async scheduling hides the host's work only if nothing between two token reads waits for
     the device: with CUDA's sync debug mode set to error, a synchronizing call anywhere in the

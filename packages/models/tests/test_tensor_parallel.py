@@ -13,7 +13,7 @@ from helpers import PagedRunner, prompts
 from safetensors import safe_open
 
 from nano_models import TensorParallel
-from nano_models.testing import build_checkpoint
+from nano_models.testing import build_checkpoint, fp8_checkpoint
 
 
 def free_port() -> int:
@@ -74,6 +74,10 @@ def test_tp2_equals_tp1_and_reads_only_its_shards(tmp_path):
         # experts split along their intermediate dimension, one all-reduce per layer
         build_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False, mlp_only_layers=[1]),
     ]
+    # FP8 weights with block scales, split with them (a replicated kv head's rows too).
+    for source in checkpoints[:2]:
+        fp8, _ = fp8_checkpoint(source, f"{source}-fp8", f"{source}-plain", (16, 16))
+        checkpoints.append(fp8)
     mp.spawn(
         worker,
         args=(2, free_port(), [str(c) for c in checkpoints], str(tmp_path)),

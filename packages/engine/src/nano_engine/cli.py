@@ -30,6 +30,7 @@ from nano_engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     EngineConfig,
 )
 from nano_engine.reasoning import PARSERS as REASONING_PARSERS
@@ -225,6 +226,14 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         str,
         KV_CACHE_DTYPES,
     ),
+    "quantization": EngineOption(
+        ("--quantization", "-q"),
+        "fp8: the linear layers' weights in e4m3 (a scale per output channel, activations "
+        "per token), quantized as a bf16 or fp32 checkpoint loads; an FP8 checkpoint is read "
+        "as FP8 without it (default: none)",
+        str,
+        QUANTIZATIONS,
+    ),
     "data_parallel_size": EngineOption(
         ("--data-parallel-size", "-dp"),
         "engine replicas, each with its own GPU(s), behind one server (or LLM)",
@@ -399,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = command(
         "accuracy",
-        "how close a quantized engine (--kv-cache-dtype fp8) stays to the same engine without",
+        "how close a quantized engine (--kv-cache-dtype fp8, --quantization fp8, an FP8 "
+        "checkpoint) stays to the unquantized one",
     )
     acc.add_argument(
         "model",
@@ -417,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=(32, 512),
         metavar=("MIN", "MAX"),
         help="random prompts' lengths, uniform in MIN..MAX (default: 32 512)",
+    )
+    acc.add_argument(
+        "--reference",
+        help="the reference's checkpoint (default: the model itself, unquantized; an FP8 "
+        "checkpoint needs its bf16 one here)",
     )
     acc.add_argument("--max-tokens", type=_positive, default=64, help="greedy tokens a prompt")
     acc.add_argument("--top-k", type=_positive, default=5, help="the top-k each token must be in")
@@ -717,11 +732,22 @@ def accuracy(args: argparse.Namespace) -> int:
     one over the same prompts, compared (``nano_engine.accuracy``)."""
     from nano_engine import LLM, SamplingParams
     from nano_engine.accuracy import compare, format_agreement
+    from nano_models import ModelConfig
 
     kwargs = engine_kwargs(args)
-    reference = {**kwargs, "kv_cache_dtype": "auto"}
-    if reference == kwargs:
-        raise ValueError("nothing to compare: quantize the candidate (--kv-cache-dtype fp8)")
+    reference = {**kwargs, "kv_cache_dtype": "auto", "quantization": None}
+    reference_model = args.reference or args.model
+    if args.reference is None:
+        config = EngineConfig.from_kwargs(args.model, **kwargs)
+        if "quantization_config" in ModelConfig.from_pretrained(config.model).raw:
+            raise ValueError(
+                f"{args.model} is quantized itself: give --reference, its unquantized checkpoint"
+            )
+        if reference == kwargs:
+            raise ValueError(
+                "nothing to compare: quantize the candidate (--kv-cache-dtype fp8, "
+                "--quantization fp8) or give --reference"
+            )
     if args.prompts_file is not None:
         prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
         if not prompts:
@@ -734,9 +760,10 @@ def accuracy(args: argparse.Namespace) -> int:
         temperature=0, max_tokens=args.max_tokens, logprobs=args.top_k, ignore_eos=True
     )
     outputs = []
-    for name, options in (("reference", reference), ("candidate", kwargs)):
-        status(f"{name}: loading {args.model} ...")
-        with LLM(args.model, **options) as llm:
+    runs = (("reference", reference_model, reference), ("candidate", args.model, kwargs))
+    for name, model, options in runs:
+        status(f"{name}: loading {model} ...")
+        with LLM(model, **options) as llm:
             vocab = llm.engine.model_config.vocab_size
             if not isinstance(prompts[0], str):
                 prompts = [[t % vocab for t in p] for p in prompts]

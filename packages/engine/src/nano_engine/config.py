@@ -16,6 +16,7 @@ DEVICES = ("auto", "cuda", "cpu")
 LOAD_FORMATS = ("auto", "dummy")
 DATA_PARALLEL_BACKENDS = ("ray", "mp")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # (vLLM's names; fp8 is e4m3)
+QUANTIZATIONS = ("fp8",)  # (nano_models.quantization's; named here for the command line)
 # nano_models' attention backends (its BACKEND_NAMES; named here so that the command line's
 # help does not import torch)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -39,7 +40,9 @@ class EngineConfig:
     content, and a structured output's constraint applies once the reasoning has ended.
     kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` (``fp8_e4m3``): the cache holds K
     and V in e4m3 with a scale per layer for each (the checkpoint's k_scale / v_scale, else 1),
-    half the bytes of bf16 per token.
+    half the bytes of bf16 per token. quantization: ``fp8`` quantizes a bf16 or fp32
+    checkpoint's linear layers to e4m3 as it loads (a scale per output channel; activations
+    per token); a checkpoint in FP8 (its quantization_config) is read as such without it.
     data_parallel_size: engine replicas, each with its own device(s) (tensor_parallel_size
     GPUs), behind one front that routes each request by ``router`` (``nano_scheduler.router``:
     least_tokens, prefix_aware, round_robin); data_parallel_backend ``ray`` places them as Ray
@@ -72,6 +75,7 @@ class EngineConfig:
     reasoning_parser: str | None = None
     revision: str | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_backend: str = "ray"
     data_parallel_address: str | None = None
@@ -134,6 +138,8 @@ class EngineConfig:
             yield f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}"
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             yield f"revision must be a non-empty string or None, got {self.revision!r}"
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            yield f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
         if self.data_parallel_address is not None and (
             not isinstance(self.data_parallel_address, str) or not self.data_parallel_address
         ):

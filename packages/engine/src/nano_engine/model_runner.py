@@ -153,6 +153,7 @@ class ModelRunner:
             tp=tp,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
         )
         log.info(
             "rank %d: loaded %s (%s, %.1f GB read) in %.1f s",

@@ -15,6 +15,7 @@ from torch import nn
 
 from nano_models.config import ModelConfig
 from nano_models.parallel import SINGLE, TensorParallel
+from nano_models.quantization import Fp8Config, prepare_block_fp8, quantize_channel_fp8
 from nano_models.registry import model_class
 from nano_models.weights import WeightSource, default_weight_loader
 
@@ -48,24 +49,35 @@ def load_model(
     tp: TensorParallel = SINGLE,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of a checkpoint directory, on ``device`` in ``dtype`` (default: the config's).
 
     With tensor parallelism each rank reads only its slices of the checkpoint. ``dummy`` fills
-    random weights (seeded) and reads no file; ``path`` may then be a ``ModelConfig``.
+    random weights (seeded) and reads no file; ``path`` may then be a ``ModelConfig``. FP8
+    weights (``nano_models.quantization``): a checkpoint's (its quantization_config), or
+    ``quantization="fp8"`` on one in bf16 or fp32 (quantized as it loads).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = path if isinstance(path, ModelConfig) else ModelConfig.from_pretrained(path)
+    fp8 = Fp8Config.of(cfg, quantization)
     cls = model_class(cfg.architecture)
     with _default_dtype(dtype or cfg.dtype), torch.device(device):
         model = cls(cfg, tp)
     model.eval()
+    if fp8 is not None and fp8.scheme == "block":
+        prepare_block_fp8(model, fp8)
     if load_format == "dummy":
-        return _fill_random(model, seed), LoadReport()
-    if isinstance(path, ModelConfig):
+        report = LoadReport()
+        _fill_random(model, seed)
+    elif isinstance(path, ModelConfig):
         raise ValueError("loading weights needs a checkpoint directory, not a config")
-    return model, load_weights(model, Path(path))
+    else:
+        report = load_weights(model, Path(path))
+    if fp8 is not None and fp8.scheme == "channel":
+        quantize_channel_fp8(model, fp8)
+    return model, report
 
 
 def _fill_random(model: nn.Module, seed: int) -> nn.Module:
@@ -76,7 +88,13 @@ def _fill_random(model: nn.Module, seed: int) -> nn.Module:
         device = param.device
         if device not in generators:
             generators[device] = torch.Generator(device=device).manual_seed(seed)
-        param.data.normal_(0.0, 0.02, generator=generators[device])
+        if name.endswith("weight_scale_inv"):  # (an FP8 weight: e4m3 values of about 1)
+            param.data.fill_(0.02)
+        elif param.dtype == torch.float8_e4m3fn:
+            values = torch.empty(param.shape, device=device)
+            param.data.copy_(values.normal_(0.0, 1.0, generator=generators[device]))
+        else:
+            param.data.normal_(0.0, 0.02, generator=generators[device])
         if name.endswith("norm.weight"):
             param.data += 1.0
     return model
@@ -157,7 +175,7 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
         raise ValueError(f"unexpected tensors in the checkpoint: {sorted(unexpected)}")
     own_name = getattr(model, "checkpoint_name", lambda name, shard: None)
     missing = sorted(
-        own_name(name, shard) or (f"{name}[{shard}]" if shard is not None else name)
+        own_name(name, shard) or _checkpoint_name(name, shard, mapping)
         for name, shards in expected.items()
         for shard in shards - loaded[name]
     )
@@ -187,6 +205,14 @@ def _target(name: str, mapping: dict) -> tuple[str, object]:
     return name, None
 
 
+def _checkpoint_name(param_name: str, shard, mapping: dict) -> str:
+    """The checkpoint tensor of a parameter's shard (a packed part's own name)."""
+    for fragment, (packed, part) in mapping.items():
+        if part == shard and f".{packed}." in param_name:
+            return param_name.replace(f".{packed}.", f".{fragment}.")
+    return f"{param_name}[{shard}]" if shard is not None else param_name
+
+
 def _shards(param_name: str, mapping: dict) -> set:
     shards = {shard for fragment, (packed, shard) in mapping.items() if f".{packed}." in param_name}
     return shards or {None}
@@ -199,6 +225,7 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "I64": torch.int64,
     "I32": torch.int32,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 
 

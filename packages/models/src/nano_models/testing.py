@@ -7,6 +7,8 @@ trained locally with the tokenizers library: nothing is downloaded.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -125,3 +127,53 @@ def load_reference(path: str | Path, dtype: torch.dtype = torch.float32):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+_FP8_LINEARS = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+
+
+def fp8_checkpoint(
+    source: str | Path, fp8: str | Path, dequantized: str | Path, block: tuple[int, int]
+) -> tuple[Path, Path]:
+    """An FP8 checkpoint in Qwen3-FP8's format made from ``source`` (its linear layers' weights
+    in e4m3 with a float32 ``weight_scale_inv`` per ``block`` = (rows, columns), max|w| / 448
+    of each block; ``quantization_config`` in config.json), and the checkpoint those FP8 weights
+    stand for (each weight dequantized, in float32): the reference of the FP8 one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, fp8, dequantized = Path(source), Path(fp8), Path(dequantized)
+    bo, bi = block
+    for target in (fp8, dequantized):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    for file in sorted(source.glob("*.safetensors")):
+        tensors = load_file(file)
+        quantized, plain = {}, {}
+        for name, w in tensors.items():
+            if not _FP8_LINEARS.fullmatch(name):
+                quantized[name] = plain[name] = w
+                continue
+            rows, cols = w.shape
+            padded = torch.zeros(-(-rows // bo) * bo, -(-cols // bi) * bi)
+            padded[:rows, :cols] = w.float()
+            blocks = padded.view(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+            full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+            w8 = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            quantized[name], quantized[name + "_scale_inv"] = w8, scale
+            plain[name] = w8.float() * full
+        save_file(quantized, fp8 / file.name, metadata={"format": "pt"})
+        save_file(plain, dequantized / file.name, metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [bo, bi],
+    }
+    (fp8 / "config.json").write_text(json.dumps(config, indent=2))
+    plain_config = json.loads((dequantized / "config.json").read_text())
+    plain_config["torch_dtype"] = plain_config["dtype"] = "float32"
+    (dequantized / "config.json").write_text(json.dumps(plain_config, indent=2))
+    return fp8, dequantized

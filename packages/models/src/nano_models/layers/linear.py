@@ -15,9 +15,12 @@ from nano_models.weights import WeightSource
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W [out_local, in_local]. ``tp_dim`` says which dim is sharded."""
+    """y = x W^T + b with W [out_local, in_local]. ``tp_dim`` says which dim is sharded.
+    ``quant``: an FP8 scheme (``nano_models.quantization``) that holds W in e4m3 with scales
+    and computes the product; None: W in the model's dtype."""
 
     tp_dim: int | None = None
+    quant = None
 
     def __init__(
         self,
@@ -44,6 +47,21 @@ class LinearBase(nn.Module):
     def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
         return (self.out_features, self.in_features)[: param.dim()]
 
+    def output_slice(self, shard_id=None) -> tuple[int, int, int, int]:
+        """Where the checkpoint rows of shard ``shard_id`` go: (first row here, rows, first
+        row in the checkpoint tensor, the tensor's rows)."""
+        if self.tp_dim == 0:
+            size = self.weight.shape[0]
+            return 0, size, self.tp.rank * size, self.out_features
+        return 0, self.out_features, 0, self.out_features
+
+    def input_slice(self) -> tuple[int, int]:
+        """(first checkpoint column this rank holds, columns)."""
+        if self.tp_dim == 1:
+            size = self.weight.shape[1]
+            return self.tp.rank * size, size
+        return 0, self.in_features
+
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
         source.expect_shape(self.full_shape(param))
         dim = self.tp_dim
@@ -53,8 +71,13 @@ class LinearBase(nn.Module):
             size = param.shape[dim]
             param.data.copy_(source.narrow(dim, self.tp.rank * size, size))
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -77,14 +100,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp)
 
+    def output_slice(self, shard_id=None) -> tuple[int, int, int, int]:
+        full = self.output_sizes[shard_id]
+        size = full // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        return offset, size, self.tp.rank * size, full
+
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
         if shard_id is None:
             raise ValueError(f"{source.name}: a merged layer loads one of its parts at a time")
-        full = self.output_sizes[shard_id]
+        offset, size, start, full = self.output_slice(shard_id)
         source.expect_shape((full, self.in_features)[: param.dim()])
-        size = full // self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, size).copy_(source.narrow(0, self.tp.rank * size, size))
+        param.data.narrow(0, offset, size).copy_(source.narrow(0, start, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -126,16 +153,22 @@ class QKVParallelLinear(ColumnParallelLinear):
             out_local=sum(self.output_sizes),
         )
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
+    def output_slice(self, shard_id=None) -> tuple[int, int, int, int]:
         if shard_id not in ("q", "k", "v"):
-            raise ValueError(f"{source.name}: the qkv layer loads q, k or v, got {shard_id!r}")
+            raise ValueError(f"the qkv layer loads q, k or v, got {shard_id!r}")
         heads = self.total_heads if shard_id == "q" else self.total_kv_heads
-        source.expect_shape((heads * self.head_dim, self.in_features)[: param.dim()])
         if shard_id == "q":
             offset, size, start = 0, self.output_sizes[0], self.tp.rank * self.output_sizes[0]
         else:
             offset = self.output_sizes[0] + (self.output_sizes[1] if shard_id == "v" else 0)
             size, start = self.output_sizes[1], self.kv_head_start * self.head_dim
+        return offset, size, start, heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"{source.name}: the qkv layer loads q, k or v, got {shard_id!r}")
+        offset, size, start, full = self.output_slice(shard_id)
+        source.expect_shape((full, self.in_features)[: param.dim()])
         param.data.narrow(0, offset, size).copy_(source.narrow(0, start, size))
 
 
@@ -146,5 +179,5 @@ class RowParallelLinear(LinearBase):
     tp_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

@@ -1,0 +1,67 @@
+"""FP8 weights through the engine on the CPU: a checkpoint in Qwen3-FP8's format generates
+what transformers generates from the weights it stands for (dequantized), in every scheduling
+mode and with tensor parallelism 2; quantization="fp8" runs and stays close to the unquantized
+engine (nano-engine accuracy); a tensor-parallel split that would cut weight blocks, and an
+FP8 checkpoint compared without its reference, are errors that say so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
+
+from nano_engine import LLM, SamplingParams
+from nano_models.testing import fp8_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+MODES = {
+    "prefix-caching": {"kvcache_block_size": 4},
+    "chunked-prefill": {"kvcache_block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
+    "tensor-parallel-2": {"kvcache_block_size": 4, "tensor_parallel_size": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def fp8(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-engine")
+    path, plain = fp8_checkpoint(checkpoints("qwen3"), root / "fp8", root / "plain", (16, 16))
+    return str(path), hf_greedy(str(plain), sample_prompts()), str(plain)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_fp8_checkpoint_generates_what_its_weights_stand_for(fp8, mode):
+    path, expected, _ = fp8
+    with LLM(path, device="cpu", **MODES[mode]) as llm:
+        outputs = llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_tensor_parallel_split_that_cuts_weight_blocks_is_refused(checkpoints, tmp_path):
+    path, _ = fp8_checkpoint(checkpoints("qwen3"), tmp_path / "fp8", tmp_path / "plain", (16, 96))
+    with pytest.raises(ValueError, match=r"o_proj: its 128 input columns split over 2 .* 96"):
+        LLM(str(path), device="cpu", tensor_parallel_size=2, kvcache_block_size=4)
+
+
+def accuracy(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nano_engine", "accuracy", *args, "--device", "cpu",
+         "--num-prompts", "4", "--input-len", "8", "24", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_fp8_weights_stay_close_to_the_unquantized_engine(fp8, checkpoints, tmp_path):
+    path, _, plain = fp8
+    proc = accuracy(checkpoints("qwen3"), "--quantization", "fp8", "--json", f"{tmp_path}/q.json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "q.json").read_text())
+    assert summary["top5_agreement"] == 1.0 and summary["tokens_compared"] >= 4
+    proc = accuracy(path)
+    assert proc.returncode == 2 and "quantized itself: give --reference" in proc.stderr
+    proc = accuracy(path, "--reference", plain, "--json", f"{tmp_path}/c.json")
+    assert proc.returncode == 0, proc.stderr
+    # (the reference: the checkpoint these FP8 weights stand for, so the same tokens)
+    assert json.loads((tmp_path / "c.json").read_text())["greedy_match_rate"] == 1.0

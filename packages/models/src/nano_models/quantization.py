@@ -1,0 +1,236 @@
+"""FP8 (e4m3) weights for the linear layers (embeddings, norms and the LM head stay in the
+model's dtype).
+
+- ``block``: a checkpoint's (Qwen3-FP8's and DeepSeek's format: ``quantization_config`` with
+  ``quant_method: fp8``, dynamic activations, ``weight_block_size: [bo, bi]``). A layer holds
+  its weight in e4m3 and a float32 ``weight_scale_inv`` per (bo x bi) block: the weight is
+  ``weight * scale`` (the checkpoint's name notwithstanding). Here the scales are kept per
+  output row and input block, [out, ceil(in / bi)], so that merged layers (q/k/v, gate/up)
+  whose parts do not end on a block boundary work too; a tensor-parallel shard that would
+  split an input block is an error naming the layer.
+- ``channel``: ``quantization="fp8"`` on a checkpoint in bf16 or fp32: each output row of a
+  weight gets the scale max|w| / 448 when loaded, and activations are quantized per token as
+  they come (max|x| / 448).
+
+The products: with block scales, a Triton kernel (``nano_models.layers.fp8_matmul``) reads the
+e4m3 weight and its scales and multiplies in the activations' dtype (half the weight bytes of
+bf16); per channel, ``torch._scaled_mm`` (FP8 tensor cores, on GPUs of compute capability 8.9
+and later) with the activations' and the weight's scales. Elsewhere (the CPU) both compute the
+same in float32 from the dequantized values: the reference the GPU paths are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nano_models.config import ModelConfig
+from nano_models.layers.linear import LinearBase
+from nano_models.weights import WeightSource
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+QUANTIZATIONS = ("fp8",)  # the names a configuration may ask for
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    scheme: str  # "block" (a checkpoint's) or "channel" (quantized when loaded)
+    block: tuple[int, int] | None = None  # (rows, columns) of a scale block
+    ignored: tuple[str, ...] = ()  # layers the checkpoint keeps in its dtype
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, requested: str | None) -> Fp8Config | None:
+        """The FP8 scheme of a model: its checkpoint's ``quantization_config``, else
+        ``requested`` ("fp8": per-channel scales computed when loaded, or None)."""
+        if requested is not None and requested not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {requested!r}"
+            )
+        q = cfg.raw.get("quantization_config")
+        if q is None:
+            return cls("channel") if requested == "fp8" else None
+        if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise ValueError(
+                f"the checkpoint's quantization_config has quant_method {method!r}: only fp8 "
+                "checkpoints are read"
+            )
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"FP8 checkpoints in {q.get('fmt')!r}: only e4m3 is read")
+        if q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(
+                f"activation_scheme {q.get('activation_scheme')!r}: only dynamic activation "
+                "scales are read"
+            )
+        block = q.get("weight_block_size")
+        if (
+            not isinstance(block, list)
+            or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):
+            raise ValueError(
+                f"weight_block_size must be two positive integers, got {block!r} (FP8 "
+                "checkpoints with per-tensor scales are not read)"
+            )
+        ignored = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+        return cls("block", (block[0], block[1]), tuple(ignored))
+
+
+def fp8_layers(model: nn.Module, config: Fp8Config) -> list[tuple[str, LinearBase]]:
+    """The linear layers that take FP8 weights (a mixture of experts: an error)."""
+    from nano_models.layers.moe import FusedMoE
+
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            raise ValueError(
+                "FP8 weights for a mixture of experts are not supported yet (its experts "
+                f"{name}): load the checkpoint in bf16"
+            )
+        if isinstance(module, LinearBase) and not _ignored(name, config.ignored):
+            layers.append((name, module))
+    return layers
+
+
+def _ignored(name: str, ignored: tuple[str, ...]) -> bool:
+    return any(name == i or name.startswith(i + ".") or name.endswith("." + i) for i in ignored)
+
+
+def prepare_block_fp8(model: nn.Module, config: Fp8Config) -> None:
+    """Before a block-FP8 checkpoint loads: each layer's weight in e4m3, its scales beside."""
+    for name, layer in fp8_layers(model, config):
+        out_local, in_local = layer.weight.shape
+        bi = config.block[1]
+        if layer.tp_dim == 1 and layer.tp.size > 1 and in_local % bi:
+            raise ValueError(
+                f"{name}: its {layer.in_features} input columns split over "
+                f"{layer.tp.size} tensor-parallel ranks ({in_local} each) would cut weight "
+                f"blocks of {bi} columns: choose a tensor-parallel size that keeps blocks whole"
+            )
+        device = layer.weight.device
+        layer.weight = nn.Parameter(
+            torch.empty(out_local, in_local, dtype=FP8, device=device), requires_grad=False
+        )
+        layer.weight.weight_loader = _fp8_only(layer.weight_loader)
+        scales = torch.empty(out_local, math.ceil(in_local / bi), device=device)
+        layer.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        layer.weight_scale_inv.weight_loader = _block_scale_loader(layer, name, config.block)
+        layer.quant = BlockFp8(bi)
+
+
+def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
+    """After a checkpoint in the model's dtype loaded: each layer's weight in e4m3 with a
+    scale per output row (max|w| / 448)."""
+    for _, layer in fp8_layers(model, config):
+        w = layer.weight.data.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        quantized = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        layer.weight = nn.Parameter(quantized, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.quant = ChannelFp8()
+
+
+def _fp8_only(loader):
+    def load(param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
+        if source.dtype != FP8:
+            raise ValueError(
+                f"{source.name} is {source.dtype}, not float8_e4m3fn (an FP8 checkpoint)"
+            )
+        loader(param, source, shard_id)
+
+    return load
+
+
+def _block_scale_loader(layer: LinearBase, name: str, block: tuple[int, int]):
+    """The loader of a layer's ``weight_scale_inv``: the checkpoint's [ceil(rows / bo),
+    ceil(columns / bi)] scales of a shard, spread to its rows and cut to this rank's columns."""
+    bo, bi = block
+
+    def load(param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
+        offset, size, start, full = layer.output_slice(shard_id)
+        source.expect_shape((math.ceil(full / bo), math.ceil(layer.in_features / bi)))
+        if not source.dtype.is_floating_point:
+            raise ValueError(f"{source.name} is {source.dtype}, not floating point")
+        scales = source.read().float()
+        first, columns = layer.input_slice()
+        rows = torch.arange(start, start + size) // bo
+        cols = slice(first // bi, first // bi + math.ceil(columns / bi))
+        param.data[offset : offset + size] = scales[rows][:, cols].to(param.device)
+
+    return load
+
+
+def dequantize(layer: LinearBase) -> torch.Tensor:
+    """A layer's weight as its FP8 form stands for it, float32 [out, in]."""
+    w = layer.weight.float()
+    if isinstance(layer.quant, BlockFp8):
+        bi = layer.quant.block
+        scales = layer.weight_scale_inv.repeat_interleave(bi, dim=1)[:, : w.shape[1]]
+        return w * scales
+    return w * layer.weight_scale[:, None]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] in e4m3 with a float32 scale per token [T, 1] (max|x| / 448)."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class BlockFp8:
+    """A block-scaled e4m3 weight: the Triton kernel on CUDA, float32 elsewhere."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block  # input columns per scale
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x.is_cuda and _triton():
+            from nano_models.layers.fp8_matmul import block_fp8_matmul
+
+            y = block_fp8_matmul(x2, layer.weight, layer.weight_scale_inv, self.block)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = F.linear(x2.float(), dequantize(layer), None if bias is None else bias.float())
+            y = y.to(x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class ChannelFp8:
+    """A per-channel e4m3 weight times per-token e4m3 activations: torch._scaled_mm on GPUs
+    with FP8 tensor cores, the same arithmetic in float32 elsewhere."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
+        shape = x.shape
+        x8, x_scale = quantize_per_token(x.reshape(-1, shape[-1]))
+        if x.is_cuda and _fp8_tensor_cores(x.device):
+            y = torch._scaled_mm(
+                x8,
+                layer.weight.t(),
+                scale_a=x_scale,
+                scale_b=layer.weight_scale[None, :],
+                bias=bias,
+                out_dtype=x.dtype,
+            )
+        else:
+            y = (x8.float() * x_scale) @ dequantize(layer).t()
+            if bias is not None:
+                y = y + bias.float()
+            y = y.to(x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
