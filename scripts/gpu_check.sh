@@ -46,6 +46,8 @@ if [[ ,$WHAT, == *,bench,* || $WHAT == all ]]; then
   $PY benchmarks/bench_attention.py --json "$OUT/bench_attention.json" \
     | tee -a "$OUT/bench_kernels.log"
   $PY benchmarks/bench_moe.py --json "$OUT/bench_moe.json" | tee -a "$OUT/bench_kernels.log"
+  $PY benchmarks/bench_fp8_matmul.py --json "$OUT/bench_fp8_matmul.json" \
+    | tee -a "$OUT/bench_kernels.log"
   # nano-vllm's benchmark: Qwen3-0.6B config, dummy weights, 256 requests of 100-1024 in and out.
   for backend in ${ENGINE_BACKENDS:-triton}; do
     nano-engine bench benchmarks/configs/qwen3-0.6b.json --load-format dummy \
