@@ -209,15 +209,23 @@ class ChannelFp8:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
         shape = x.shape
         x8, x_scale = quantize_per_token(x.reshape(-1, shape[-1]))
-        if x.is_cuda and _fp8_tensor_cores(x.device):
+        n, k = layer.weight.shape
+        # (row-wise scales: bf16 outputs, sizes in multiples of 16)
+        if (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and n % 16 == k % 16 == 0
+            and _fp8_tensor_cores(x.device)
+        ):
             y = torch._scaled_mm(
                 x8,
                 layer.weight.t(),
                 scale_a=x_scale,
                 scale_b=layer.weight_scale[None, :],
-                bias=bias,
                 out_dtype=x.dtype,
             )
+            if bias is not None:
+                y = y + bias
         else:
             y = (x8.float() * x_scale) @ dequantize(layer).t()
             if bias is not None:
