@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [tests|bench|all] [extra nano-engine bench arguments]
 #   (modes combine with commas: tests,serve)
 #   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark; first run
-#   scripts/fetch_server_wheels.sh here and carry .whl/; the trace: benchmarks/traces)
+#   scripts/fetch_server_wheels.sh here and carry .whl/; the trace: benchmarks/traces; the
+#   server's own extra flags in $SERVE_ARGS, e.g. "-dp 2 --data-parallel-backend mp")
 #   scripts/gpu_check.sh install   (only the install, before one's own commands)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,9 +60,10 @@ fi
 if [[ ,$WHAT, == *,serve,* ]]; then
   # The serving benchmark (its dependencies: .whl/, installed above); the trace is $TRACE.
   TRACE=${TRACE:-benchmarks/traces/azure_llm_2023_conv.csv}
+  # shellcheck disable=SC2086  # (SERVE_ARGS: several flags)
   nano-engine -v serve benchmarks/configs/qwen3-0.6b.json --load-format dummy \
     --skip-tokenizer-init --max-model-len 16384 --served-model-name qwen3-0.6b --port 8000 \
-    > "$OUT/server.log" 2>&1 &
+    ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
   server=$!
   until curl -sf http://127.0.0.1:8000/health > /dev/null; do
     if ! kill -0 "$server" 2> /dev/null; then
