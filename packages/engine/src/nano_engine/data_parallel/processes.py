@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -39,6 +40,8 @@ def _replica_main(
     commands: Connection,
     results: Connection,
 ) -> None:
+    # (Ctrl-C reaches the whole process group: the front stops the replicas in order)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if visible is not None:  # (before anything initializes CUDA in this process)
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     try:
