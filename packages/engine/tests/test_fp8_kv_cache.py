@@ -133,11 +133,20 @@ def test_where_fp8_cannot_go_the_error_says_so(checkpoints, tmp_path):
     )
     bad = build_checkpoint(tmp_path / "bad-scales", "qwen3")
     (weights,) = bad.glob("*.safetensors")
-    tensors = load_file(weights)
-    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.0)
-    save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="scales must be finite and > 0"):
-        LLM(str(bad), kv_cache_dtype="fp8", kvcache_block_size=4)
+    original = load_file(weights)
+    for extra, message in (
+        ({"model.layers.0.self_attn.v_scale": torch.tensor(0.0)}, "finite and > 0"),
+        ({"model.layers.0.self_attn.k_scale": torch.ones(2)}, "per-head KV cache scales"),
+        ({"model.layers.0.self_attn.k_proj.v_scale": torch.tensor(1.0)}, "unexpected tensors"),
+    ):
+        save_file({**original, **extra}, weights, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message):
+            LLM(str(bad), kv_cache_dtype="fp8", kvcache_block_size=4)
+    # A scale written as [1] (some quantizers do), under the projection's name: read.
+    scales = {"model.layers.1.self_attn.v_proj.v_scale": torch.tensor([0.25])}
+    save_file({**original, **scales}, weights, metadata={"format": "pt"})
+    with LLM(str(bad), kv_cache_dtype="fp8", kvcache_block_size=4) as llm:
+        assert llm.engine.runner.model.attention_layers[1].kv_scales == (1.0, 0.25)
 
 
 def out(tokens: list[int], tops: list[dict[int, float]]):

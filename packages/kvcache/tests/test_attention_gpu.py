@@ -191,6 +191,13 @@ def test_paged_prefill(dtype, block_size, heads, kv_heads, head_dim, chunks, tma
     check(out, ref, dtype)
 
 
+def query(tokens, heads, head_dim, k_scale, g):
+    """Queries whose scores against the keys of ``fp8_caches`` (about k_scale * 100 each, times
+    the softmax scale 0.1) spread by about 2: the softmax neither flat nor one-hot."""
+    size = 2 / (0.1 * k_scale * 100 * head_dim**0.5)
+    return torch.randn(tokens, heads, head_dim, generator=g, device=DEVICE) * size
+
+
 def fp8_caches(num_blocks, kv_heads, block_size, head_dim, g, scales):
     """FP8 caches of random K and V (their magnitude about scale * 100: most values well
     inside e4m3's range) and the float32 values they stand for."""
@@ -218,8 +225,10 @@ def test_paged_decode_over_an_fp8_cache(block_size, heads, kv_heads, head_dim, l
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k8, k_real, v8, v_real = fp8_caches(num_blocks, kv_heads, block_size, head_dim, g, scales)
     tables = tables_for(lens, block_size, num_blocks, rng)
-    q = (torch.randn(len(lens), heads, head_dim, generator=g, device=DEVICE) / 30).to(dtype)
+    q = query(len(lens), heads, head_dim, scales[0], g).to(dtype)
     ref = paged_attention_reference(q, k_real, v_real, tables, [1] * len(lens), lens, 0.1)
+    wrong = paged_attention_reference(q, k_real * 2, v_real, tables, [1] * len(lens), lens, 0.1)
+    assert (wrong - ref).norm() / ref.norm() > 5 * TOL[dtype]  # (the check sees k_scale)
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
         paged_decode(
@@ -263,15 +272,22 @@ def test_paged_prefill_over_an_fp8_cache(
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k8, k_real, v8, v_real = fp8_caches(num_blocks, kv_heads, block_size, head_dim, g, scales)
     tables = tables_for(lens, block_size, num_blocks, rng)
-    q = (torch.randn(sum(query_lens), heads, head_dim, generator=g, device=DEVICE) / 30).to(dtype)
+    q = query(sum(query_lens), heads, head_dim, scales[0], g).to(dtype)
     qsl = torch.tensor(
         [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
     )
     ref = paged_attention_reference(q, k_real, v_real, tables, query_lens, lens, 0.1)
-    # The new tokens' K/V as the model computes them: the cached values' exact real values.
+    wrong = paged_attention_reference(q, k_real * 2, v_real, tables, query_lens, lens, 0.1)
+    assert (wrong - ref).norm() / ref.norm() > 5 * TOL[dtype]  # (the check sees k_scale)
+    # The new tokens' K/V as the model computes them: the cached values' exact real values;
+    # their slots in the FP8 caches then hold e4m3's NaN: the kernel must read them from k, v.
     k, v = new_kv(k_real.to(dtype), v_real.to(dtype), tables, chunks, heads)
-    for cache in (k8, v8):  # (e4m3's NaN in the new tokens' slots)
-        cache.view(torch.uint8)[torch.isnan(k_real if cache is k8 else v_real)] = 0x7F
+    spots = [(t[p // block_size], p % block_size) for t, (n, c) in zip(tables, chunks)
+             for p in range(c, c + n)]  # fmt: skip
+    pages = torch.tensor([page for page, _ in spots], device=DEVICE)
+    rows = torch.tensor([row for _, row in spots], device=DEVICE)
+    for cache in (k8, v8):
+        cache.view(torch.uint8)[pages, :, rows] = 0x7F
     out = torch.full_like(q, float("nan"))
     paged_prefill(
         q,
@@ -291,6 +307,22 @@ def test_paged_prefill_over_an_fp8_cache(
         v_scale=scales[1],
     )
     check(out, ref, dtype)
+
+
+def test_the_kernels_refuse_caches_they_cannot_read():
+    from nano_kvcache.attention import paged_decode
+
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    cache = torch.zeros(4, 2, 16, 32, device=DEVICE)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="q's dtype"):
+        paged_decode(q, cache.half(), cache.half(), tables, lens, 0.1)
+    with pytest.raises(ValueError, match="are for FP8 caches"):
+        paged_decode(q, cache, cache, tables, lens, 0.1, k_scale=0.5)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        paged_decode(q, fp8, fp8, tables, lens, 0.1, k_scale=0.0)
 
 
 def test_decode_in_a_cuda_graph_with_changing_lengths():

@@ -78,7 +78,7 @@ def test_store_kvcache_into_fp8(dtype, heads, head_dim, block_size, contiguous):
     num_blocks = 64
     n = min(300, num_blocks * block_size - 1)
     key, value = kv_views(n, heads, head_dim, dtype, g, contiguous)
-    key, value = key * 50, value * 900  # (some values past 448 / scale: saturated)
+    key.mul_(50), value.mul_(900)  # (in place: views keep their strides; some saturate)
     slots = torch.randperm(num_blocks * block_size, generator=g, device="cuda")[:n]
     slots[::7] = -1
     shape = (num_blocks, heads, block_size, head_dim)

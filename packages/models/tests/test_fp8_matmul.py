@@ -65,6 +65,8 @@ def test_bad_shapes_are_named():
         block_fp8_matmul(x, w8, scales[:, :1], 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         block_fp8_matmul(x, w8, scales, 24)
+    with pytest.raises(ValueError, match=r"BLOCK_K \(64\) must be >= 16 and divide"):
+        block_fp8_matmul(x, w8, scales, 32, {**tile(1, 32), "BLOCK_K": 64})
 
 
 @pytest.mark.skipif(

@@ -112,6 +112,7 @@ def test_bad_fp8_checkpoints_and_settings_are_named(source, tmp_path):
         ({"quant_method": "fp8", "activation_scheme": "static"}, "only dynamic"),
         ({"quant_method": "fp8"}, "weight_block_size must be two positive integers"),
         ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [1, 1]}, "only e4m3"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 24]}, "a multiple of 16"),
     ):
         config["quantization_config"] = q
         (broken / "config.json").write_text(json.dumps(config))

@@ -737,17 +737,17 @@ def accuracy(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     reference = {**kwargs, "kv_cache_dtype": "auto", "quantization": None}
     reference_model = args.reference or args.model
-    if args.reference is None:
+    if args.reference is None and reference == kwargs:
         config = EngineConfig.from_kwargs(args.model, **kwargs)
         if "quantization_config" in ModelConfig.from_pretrained(config.model).raw:
             raise ValueError(
-                f"{args.model} is quantized itself: give --reference, its unquantized checkpoint"
+                f"{args.model} is quantized itself: give --reference, its unquantized "
+                "checkpoint (or --kv-cache-dtype fp8, to compare the cache on these weights)"
             )
-        if reference == kwargs:
-            raise ValueError(
-                "nothing to compare: quantize the candidate (--kv-cache-dtype fp8, "
-                "--quantization fp8) or give --reference"
-            )
+        raise ValueError(
+            "nothing to compare: quantize the candidate (--kv-cache-dtype fp8, --quantization "
+            "fp8) or give --reference"
+        )
     if args.prompts_file is not None:
         prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
         if not prompts:

@@ -237,6 +237,8 @@ class Workers:
         ok, value = outcome[0]
         if ok:
             return value
+        if isinstance(value, (ValueError, TypeError)):
+            raise value  # (the configuration's fault, on every rank: this rank says which)
         # A peer's death often reaches this rank first as its collective's error: name the
         # worker (it may take a moment to be reaped).
         wait(sentinels, timeout=2.0)

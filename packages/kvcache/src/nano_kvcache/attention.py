@@ -28,6 +28,8 @@ except ImportError:
     TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
+# (a NaN stays NaN when rounded into an FP8 cache, as the store kernels keep it)
+_NAN: tl.constexpr = tl.PropagateNan.ALL
 
 
 @triton.jit
@@ -172,9 +174,9 @@ def _attend(
 def _as_cached(k, v, inv_k_scale, inv_v_scale):
     """The new tokens' K and V as an FP8 cache holds them (x / scale, saturated, rounded):
     attention then sees every key and value as the cache does, whichever step computes it."""
-    k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0).to(tl.float8e4nv)
-    v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0).to(tl.float8e4nv)
-    return k, v
+    k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0, propagate_nan=_NAN)
+    v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0, propagate_nan=_NAN)
+    return k.to(tl.float8e4nv), v.to(tl.float8e4nv)
 
 
 def _metadata_jit(pointers: list[str]):
@@ -321,6 +323,20 @@ def _merge_kernel(
     )
 
 
+def _check_cache(q, k_cache, v_cache, k_scale: float, v_scale: float) -> None:
+    """Caches in q's dtype (scales 1), or both FP8 (e4m3) with finite scales > 0."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if v_cache.dtype != k_cache.dtype or (k_cache.dtype != q.dtype and not fp8):
+        raise ValueError(
+            f"the caches must both be q's dtype ({q.dtype}) or float8_e4m3fn, got "
+            f"{k_cache.dtype} and {v_cache.dtype}"
+        )
+    if fp8 and not (0 < k_scale < float("inf") and 0 < v_scale < float("inf")):
+        raise ValueError(f"FP8 cache scales must be finite and > 0, got {k_scale}, {v_scale}")
+    if not fp8 and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError("k_scale and v_scale are for FP8 caches; these are not FP8")
+
+
 def _precision(q: torch.Tensor) -> str:
     # fp32 inputs: full precision (tf32 would lose the reference's accuracy); fp16/bf16: tensor
     # cores as they are.
@@ -366,6 +382,7 @@ def paged_decode(
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
     group = heads // kv_heads
+    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -691,6 +708,7 @@ def paged_prefill(
     """
     tokens, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
             f"k and v must be [{tokens}, {kv_heads}, {head_dim}] (q's tokens, the cache's kv "

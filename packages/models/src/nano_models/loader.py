@@ -62,6 +62,8 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = path if isinstance(path, ModelConfig) else ModelConfig.from_pretrained(path)
     fp8 = Fp8Config.of(cfg, quantization)
+    if fp8 is not None:
+        fp8.check_device(torch.device(device), dtype or cfg.dtype)
     cls = model_class(cfg.architecture)
     with _default_dtype(dtype or cfg.dtype), torch.device(device):
         model = cls(cfg, tp)
@@ -187,14 +189,14 @@ def load_weights(model: nn.Module, path: Path) -> LoadReport:
 # An FP8 KV cache's scales as checkpoints name them (AutoFP8's self_attn.k_scale, and the
 # k_proj.k_scale / k_proj.output_scale of other quantizers), for our attention layer's.
 _KV_SCALE = re.compile(
-    r"(?P<attn>.*\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.(?:[kv]_scale|output_scale))"
+    r"(?P<attn>.*\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.(?:(?P<own>[kv])_scale|output_scale))"
 )
 
 
 def _kv_scale(name: str) -> tuple[str, None] | None:
     m = _KV_SCALE.fullmatch(name)
-    if m is None:
-        return None
+    if m is None or (m["own"] is not None and m["own"] != m["proj"]):
+        return None  # (k_proj.v_scale is no scale of ours)
     return f"{m['attn']}.attn.{m['kv'] or m['proj']}_scale", None
 
 

@@ -77,8 +77,32 @@ class Fp8Config:
                 f"weight_block_size must be two positive integers, got {block!r} (FP8 "
                 "checkpoints with per-tensor scales are not read)"
             )
+        if block[1] % 16:
+            raise ValueError(
+                f"weight_block_size {block}: the columns of a block must be a multiple of 16"
+            )
         ignored = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
         return cls("block", (block[0], block[1]), tuple(ignored))
+
+    def check_device(self, device: torch.device, dtype: torch.dtype) -> None:
+        """FP8 weights on a GPU need FP8 conversions (compute capability 8.9: Ada, Hopper),
+        Triton for block scales, and bf16 activations for per-channel ones (their products
+        run on FP8 tensor cores): an error that says which, rather than a slow fallback."""
+        if device.type != "cuda":
+            return
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                "FP8 weights need a GPU of compute capability 8.9 or later (Ada, Hopper); this "
+                f"one is {capability[0]}.{capability[1]}"
+            )
+        if self.scheme == "block" and not _triton():
+            raise ValueError("an FP8 checkpoint on the GPU needs Triton (pip install triton)")
+        if self.scheme == "channel" and dtype != torch.bfloat16:
+            raise ValueError(
+                f"quantization fp8 computes in bfloat16 on the GPU, not {dtype}: set the dtype "
+                "to bfloat16"
+            )
 
 
 def fp8_layers(model: nn.Module, config: Fp8Config) -> list[tuple[str, LinearBase]]:
@@ -117,7 +141,9 @@ def prepare_block_fp8(model: nn.Module, config: Fp8Config) -> None:
             torch.empty(out_local, in_local, dtype=FP8, device=device), requires_grad=False
         )
         layer.weight.weight_loader = _fp8_only(layer.weight_loader)
-        scales = torch.empty(out_local, math.ceil(in_local / bi), device=device)
+        scales = torch.empty(
+            out_local, math.ceil(in_local / bi), dtype=torch.float32, device=device
+        )
         layer.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         layer.weight_scale_inv.weight_loader = _block_scale_loader(layer, name, config.block)
         layer.quant = BlockFp8(bi)
@@ -127,6 +153,8 @@ def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
     """After a checkpoint in the model's dtype loaded: each layer's weight in e4m3 with a
     scale per output row (max|w| / 448)."""
     for _, layer in fp8_layers(model, config):
+        if any(size % 16 for size in layer.weight.shape):
+            continue  # (FP8 products take sizes in multiples of 16: this one stays as it is)
         w = layer.weight.data.float()
         scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
         quantized = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -91,6 +91,8 @@ def profile_engine(
             tensor_parallel_size=config.tensor_parallel_size,
             dtype=str(runner.dtype).removeprefix("torch."),
             attention_backend=runner.backend.name,
+            kv_cache_dtype="fp8" if config.fp8_kv_cache else "auto",
+            quantization=config.quantization or ("fp8" if "quantization_config" in mc.raw else ""),
         )
         device = describe_device(runner.device)
     finally:

@@ -188,6 +188,16 @@ class TorchAttention(AttentionBackend):
         return o.transpose(1, 2).reshape(q.shape)
 
 
+def _load_scale(param: nn.Parameter, source, shard_id=None) -> None:
+    """A layer's K or V cache scale: one number (a scalar, or [1] as some quantizers write)."""
+    if source.shape not in ((), (1,)):
+        raise ValueError(
+            f"{source.name} has shape {source.shape}: one scale per layer is read (per-head KV "
+            "cache scales are not supported)"
+        )
+    param.data.copy_(source.read().reshape(()))
+
+
 class Attention(nn.Module):
     """Attends through the backend over this layer's cache, which the new tokens' K/V reach
     first (``cache(ctx)``). ``bind`` gives it its cache views and backend (the runner does,
@@ -209,6 +219,7 @@ class Attention(nn.Module):
         self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
         for param in (self.k_scale, self.v_scale):
             param.optional = True  # (not in every checkpoint: the loader does not ask for it)
+            param.weight_loader = _load_scale
         self.kv_scales = (1.0, 1.0)
 
     def bind(

@@ -92,6 +92,9 @@ def block_fp8_matmul(
     if m == 0:
         return y
     settings = settings or tile(m, block)
+    depth = settings["BLOCK_K"]
+    if depth < 16 or block % depth:
+        raise ValueError(f"BLOCK_K ({depth}) must be >= 16 and divide the scale block ({block})")
     grid = (triton.cdiv(m, settings["BLOCK_M"]) * triton.cdiv(n, settings["BLOCK_N"]),)
     _block_fp8_kernel[grid](
         x,

@@ -12,6 +12,9 @@ import triton.language as tl
 
 from nano_kvcache import ops
 
+# (a NaN stays NaN when rounded into an FP8 cache, as the store kernels keep it)
+_NAN: tl.constexpr = tl.PropagateNan.ALL
+
 
 @triton.jit
 def _norm_rotate(
@@ -66,7 +69,8 @@ def _norm_rotate(
 @triton.jit
 def _to_fp8(x, inv_scale):
     """x as an FP8 cache stores it: x / scale, saturated at +-448, rounded to e4m3."""
-    return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
+    x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0, propagate_nan=_NAN)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit

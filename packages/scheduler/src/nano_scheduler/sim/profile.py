@@ -60,6 +60,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
     attention_backend: str = ""
+    kv_cache_dtype: str = "auto"  # ("fp8": e4m3 K and V)
+    quantization: str = ""  # the weights' ("fp8", a checkpoint's "fp8"; "": none)
 
 
 @dataclass
