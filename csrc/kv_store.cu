@@ -64,6 +64,18 @@ struct Access<2> { using type = uint16_t; };
 template <>
 struct Access<1> { using type = uint8_t; };
 
+// One token per warp-row of threads (its `items` spread over the row), several tokens per
+// block for small rows.
+struct TokenLaunch {
+  dim3 block, grid;
+  TokenLaunch(int items, int64_t num_tokens) {
+    const int tx = std::min(256, (items + 31) / 32 * 32);
+    const int ty = std::max(1, 256 / tx);
+    block = dim3(tx, ty);
+    grid = dim3(static_cast<unsigned>((num_tokens + ty - 1) / ty));
+  }
+};
+
 template <typename Fn>
 void dispatch_access(int bytes, Fn&& fn) {
   switch (bytes) {
@@ -194,12 +206,8 @@ void store_kvcache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t 
                                   static_cast<uint64_t>(value_stride_token),
                                   static_cast<uint64_t>(value_stride_head)});
   const int row_vecs = static_cast<int>(row_bytes / bytes);
-  const int vecs = static_cast<int>(num_heads) * row_vecs;
-  // One token per warp-row of threads, several tokens per block for small rows.
-  const int tx = std::min(256, (vecs + 31) / 32 * 32);
-  const int ty = std::max(1, 256 / tx);
-  const dim3 block(tx, ty);
-  const dim3 grid(static_cast<unsigned>((num_tokens + ty - 1) / ty));
+  const TokenLaunch launch_shape(static_cast<int>(num_heads) * row_vecs, num_tokens);
+  const dim3 block = launch_shape.block, grid = launch_shape.grid;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   dispatch_access(bytes, [&](auto access) {
     using V = typename decltype(access)::type;
@@ -230,11 +238,8 @@ void store_kvcache_fp8(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintpt
   if (slot_bytes != 4 && slot_bytes != 8) throw std::invalid_argument("slot_bytes must be 4 or 8");
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype must be 0, 1 or 2");
   DeviceGuard guard(device);
-  const int n = static_cast<int>(num_heads * head_dim);
-  const int tx = std::min(256, (n + 31) / 32 * 32);
-  const int ty = std::max(1, 256 / tx);
-  const dim3 block(tx, ty);
-  const dim3 grid(static_cast<unsigned>((num_tokens + ty - 1) / ty));
+  const TokenLaunch launch_shape(static_cast<int>(num_heads * head_dim), num_tokens);
+  const dim3 block = launch_shape.block, grid = launch_shape.grid;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   auto run = [&](auto in, auto* slots) {
     using In = decltype(in);

@@ -55,59 +55,50 @@ class _EngineState:
     def __init__(self, engine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
 
+    # (name, type, help, the EngineStats field) of each engine's series
+    SERIES = (
+        ("vllm:num_requests_running", "gauge", "Sequences running in the engine.", "running"),
+        ("vllm:num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", "waiting"),
+        (
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV blocks in use (1 = all).",
+            "kv_usage",
+        ),
+        (
+            "vllm:num_preemptions",
+            "counter",
+            "Sequences preempted (recomputed later).",
+            "preemptions",
+        ),
+        (
+            "vllm:prefix_cache_queries",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            "prefix_queries",
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            "prefix_hits",
+        ),
+        (
+            "nano_engine:engine_serving",
+            "gauge",
+            "Whether the engine (a data-parallel replica) serves: 1, or 0 once it stopped.",
+            "serving",
+        ),
+    )
+
     def collect(self):
         replicas = self.engine.replica_stats()
-        labels = [[self.model_name, str(i)] for i in range(len(replicas))]
-
-        def family(kind, name: str, doc: str, values):
-            metric = kind(name, doc, labels=["model_name", "engine"])
-            for label, value in zip(labels, values):
-                metric.add_metric(label, value)
-            return metric
-
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield family(
-            gauge,
-            "vllm:num_requests_running",
-            "Sequences running in the engine.",
-            [s.running for s in replicas],
-        )
-        yield family(
-            gauge,
-            "vllm:num_requests_waiting",
-            "Sequences waiting to be scheduled.",
-            [s.waiting for s in replicas],
-        )
-        yield family(
-            gauge,
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV blocks in use (1 = all).",
-            [s.kv_usage for s in replicas],
-        )
-        yield family(
-            counter,
-            "vllm:num_preemptions",
-            "Sequences preempted (recomputed later).",
-            [s.preemptions for s in replicas],
-        )
-        yield family(
-            counter,
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            [s.prefix_queries for s in replicas],
-        )
-        yield family(
-            counter,
-            "vllm:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            [s.prefix_hits for s in replicas],
-        )
-        yield family(
-            gauge,
-            "nano_engine:engine_serving",
-            "Whether the engine (a data-parallel replica) serves: 1, or 0 once it stopped.",
-            [float(s.serving) for s in replicas],
-        )
+        kinds = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+        for name, kind, doc, field in self.SERIES:
+            metric = kinds[kind](name, doc, labels=["model_name", "engine"])
+            for i, stats in enumerate(replicas):
+                metric.add_metric([self.model_name, str(i)], float(getattr(stats, field)))
+            yield metric
         retries = CounterMetricFamily(
             "nano_engine:request_retries",
             "Requests sent to another replica after theirs stopped before streaming anything.",

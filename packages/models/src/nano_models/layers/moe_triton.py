@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from nano_models.layers.activation import silu_and_mul
+from nano_models.layers.triton_tiles import grouped_tile
 
 
 def align(
@@ -79,13 +80,7 @@ def _grouped_gemm(
     """c[pair, :N] = a[pair // PAIRS_PER_ROW, :K] @ b[expert of pair, :N, :K]^T (times the
     pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``."""
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(length, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(length, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(used):
         return
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
