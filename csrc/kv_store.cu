@@ -87,62 +87,62 @@ void dispatch_access(int bytes, Fn&& fn) {
   }
 }
 
-template <typename V, typename Slot>
-__global__ void store_kvcache_kernel(const char* __restrict__ key, const char* __restrict__ value,
-                                     char* __restrict__ k_cache, char* __restrict__ v_cache,
-                                     const Slot* __restrict__ slot_mapping, int64_t num_tokens,
-                                     int64_t num_slots, int num_heads, int row_vecs,
-                                     int64_t key_stride_token, int64_t key_stride_head,
-                                     int64_t value_stride_token, int64_t value_stride_head,
-                                     int64_t block_size) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (t >= num_tokens) return;
-  const int64_t slot = slot_mapping[t];
-  if (slot < 0 || slot >= num_slots) return;
-  const int64_t block = slot / block_size;
-  const int64_t row = slot - block * block_size;
-  const int vecs = num_heads * row_vecs;
-  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
-    const int h = i / row_vecs;
-    const int c = i - h * row_vecs;
-    const V k = reinterpret_cast<const V*>(key + t * key_stride_token + h * key_stride_head)[c];
-    const V v =
-        reinterpret_cast<const V*>(value + t * value_stride_token + h * value_stride_head)[c];
-    const int64_t dst = ((block * num_heads + h) * block_size + row) * row_vecs + c;
-    reinterpret_cast<V*>(k_cache)[dst] = k;
-    reinterpret_cast<V*>(v_cache)[dst] = v;
-  }
-}
-
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
-// FP8 (e4m3) caches: each value is stored as x * inv_scale, rounded to nearest and saturated to
-// +-448. A thread converts consecutive elements of a row, so reads and writes stay coalesced.
-template <typename In, typename Slot>
-__global__ void store_kvcache_fp8_kernel(
-    const char* __restrict__ key, const char* __restrict__ value, __nv_fp8_e4m3* __restrict__ k_cache,
-    __nv_fp8_e4m3* __restrict__ v_cache, const Slot* __restrict__ slot_mapping, int64_t num_tokens,
-    int64_t num_slots, int num_heads, int head_dim, int64_t key_stride_token,
-    int64_t key_stride_head, int64_t value_stride_token, int64_t value_stride_head,
-    int64_t block_size, float k_inv_scale, float v_inv_scale) {
+// What a store does to each item of a row: copies it (a vector of any width), or rounds it into
+// an FP8 (e4m3) cache as x * inv_scale, to nearest and saturated to +-448.
+struct Copy {
+  template <typename T>
+  __device__ T operator()(T x, float) const { return x; }
+};
+struct ToFp8 {
+  template <typename T>
+  __device__ __nv_fp8_e4m3 operator()(T x, float inv_scale) const {
+    return __nv_fp8_e4m3(to_float(x) * inv_scale);
+  }
+};
+
+// One token per row of threads; a thread takes consecutive items of the token's heads, so reads
+// and writes stay coalesced. k_arg, v_arg: the op's argument for keys and for values.
+template <typename Src, typename Dst, typename Op, typename Slot>
+__global__ void store_kvcache_kernel(const char* __restrict__ key, const char* __restrict__ value,
+                                     Dst* __restrict__ k_cache, Dst* __restrict__ v_cache,
+                                     const Slot* __restrict__ slot_mapping, int64_t num_tokens,
+                                     int64_t num_slots, int num_heads, int row_items,
+                                     int64_t key_stride_token, int64_t key_stride_head,
+                                     int64_t value_stride_token, int64_t value_stride_head,
+                                     int64_t block_size, float k_arg, float v_arg) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (t >= num_tokens) return;
   const int64_t slot = slot_mapping[t];
   if (slot < 0 || slot >= num_slots) return;
   const int64_t block = slot / block_size;
   const int64_t row = slot - block * block_size;
-  const int n = num_heads * head_dim;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int h = i / head_dim;
-    const int d = i - h * head_dim;
-    const In k = reinterpret_cast<const In*>(key + t * key_stride_token + h * key_stride_head)[d];
-    const In v =
-        reinterpret_cast<const In*>(value + t * value_stride_token + h * value_stride_head)[d];
-    const int64_t dst = ((block * num_heads + h) * block_size + row) * head_dim + d;
-    k_cache[dst] = __nv_fp8_e4m3(to_float(k) * k_inv_scale);
-    v_cache[dst] = __nv_fp8_e4m3(to_float(v) * v_inv_scale);
+  const int items = num_heads * row_items;
+  const Op op;
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    const int h = i / row_items;
+    const int c = i - h * row_items;
+    const Src k = reinterpret_cast<const Src*>(key + t * key_stride_token + h * key_stride_head)[c];
+    const Src v =
+        reinterpret_cast<const Src*>(value + t * value_stride_token + h * value_stride_head)[c];
+    const int64_t dst = ((block * num_heads + h) * block_size + row) * row_items + c;
+    k_cache[dst] = op(k, k_arg);
+    v_cache[dst] = op(v, v_arg);
+  }
+}
+
+// fn(slots) with slot_mapping as int32 or int64 pointers.
+template <typename Fn>
+void dispatch_slots(int slot_bytes, uintptr_t slot_mapping, Fn&& fn) {
+  if (slot_bytes == 8) {
+    fn(reinterpret_cast<const int64_t*>(slot_mapping));
+  } else if (slot_bytes == 4) {
+    fn(reinterpret_cast<const int32_t*>(slot_mapping));
+  } else {
+    throw std::invalid_argument("slot_bytes must be 4 or 8");
   }
 }
 
@@ -198,7 +198,6 @@ void store_kvcache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t 
                    int64_t key_stride_head, int64_t value_stride_token,
                    int64_t value_stride_head, int64_t block_size, int device, uintptr_t stream) {
   if (num_tokens == 0) return;
-  if (slot_bytes != 4 && slot_bytes != 8) throw std::invalid_argument("slot_bytes must be 4 or 8");
   DeviceGuard guard(device);
   const int bytes = access_bytes({key, value, k_cache, v_cache, static_cast<uint64_t>(row_bytes),
                                   static_cast<uint64_t>(key_stride_token),
@@ -206,23 +205,17 @@ void store_kvcache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t 
                                   static_cast<uint64_t>(value_stride_token),
                                   static_cast<uint64_t>(value_stride_head)});
   const int row_vecs = static_cast<int>(row_bytes / bytes);
-  const TokenLaunch launch_shape(static_cast<int>(num_heads) * row_vecs, num_tokens);
-  const dim3 block = launch_shape.block, grid = launch_shape.grid;
+  const TokenLaunch shape(static_cast<int>(num_heads) * row_vecs, num_tokens);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   dispatch_access(bytes, [&](auto access) {
     using V = typename decltype(access)::type;
-    auto launch = [&](auto* slots) {
-      store_kvcache_kernel<V><<<grid, block, 0, s>>>(
+    dispatch_slots(slot_bytes, slot_mapping, [&](auto* slots) {
+      store_kvcache_kernel<V, V, Copy><<<shape.grid, shape.block, 0, s>>>(
           reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
-          reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache), slots, num_tokens,
+          reinterpret_cast<V*>(k_cache), reinterpret_cast<V*>(v_cache), slots, num_tokens,
           num_slots, static_cast<int>(num_heads), row_vecs, key_stride_token, key_stride_head,
-          value_stride_token, value_stride_head, block_size);
-    };
-    if (slot_bytes == 8) {
-      launch(reinterpret_cast<const int64_t*>(slot_mapping));
-    } else {
-      launch(reinterpret_cast<const int32_t*>(slot_mapping));
-    }
+          value_stride_token, value_stride_head, block_size, 0.0f, 0.0f);
+    });
   });
   check(cudaGetLastError(), "store_kvcache launch");
 }
@@ -235,34 +228,27 @@ void store_kvcache_fp8(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintpt
                        int dtype, float k_inv_scale, float v_inv_scale, int device,
                        uintptr_t stream) {
   if (num_tokens == 0) return;
-  if (slot_bytes != 4 && slot_bytes != 8) throw std::invalid_argument("slot_bytes must be 4 or 8");
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype must be 0, 1 or 2");
   DeviceGuard guard(device);
-  const TokenLaunch launch_shape(static_cast<int>(num_heads * head_dim), num_tokens);
-  const dim3 block = launch_shape.block, grid = launch_shape.grid;
+  const TokenLaunch shape(static_cast<int>(num_heads * head_dim), num_tokens);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  auto run = [&](auto in, auto* slots) {
+  auto run = [&](auto in) {
     using In = decltype(in);
-    store_kvcache_fp8_kernel<In><<<grid, block, 0, s>>>(
-        reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
-        reinterpret_cast<__nv_fp8_e4m3*>(k_cache), reinterpret_cast<__nv_fp8_e4m3*>(v_cache),
-        slots, num_tokens, num_slots, static_cast<int>(num_heads), static_cast<int>(head_dim),
-        key_stride_token, key_stride_head, value_stride_token, value_stride_head, block_size,
-        k_inv_scale, v_inv_scale);
-  };
-  auto with_slots = [&](auto in) {
-    if (slot_bytes == 8) {
-      run(in, reinterpret_cast<const int64_t*>(slot_mapping));
-    } else {
-      run(in, reinterpret_cast<const int32_t*>(slot_mapping));
-    }
+    dispatch_slots(slot_bytes, slot_mapping, [&](auto* slots) {
+      store_kvcache_kernel<In, __nv_fp8_e4m3, ToFp8><<<shape.grid, shape.block, 0, s>>>(
+          reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
+          reinterpret_cast<__nv_fp8_e4m3*>(k_cache), reinterpret_cast<__nv_fp8_e4m3*>(v_cache),
+          slots, num_tokens, num_slots, static_cast<int>(num_heads), static_cast<int>(head_dim),
+          key_stride_token, key_stride_head, value_stride_token, value_stride_head, block_size,
+          k_inv_scale, v_inv_scale);
+    });
   };
   if (dtype == 0) {
-    with_slots(__half{});
+    run(__half{});
   } else if (dtype == 1) {
-    with_slots(__nv_bfloat16{});
+    run(__nv_bfloat16{});
   } else {
-    with_slots(0.0f);
+    run(0.0f);
   }
   check(cudaGetLastError(), "store_kvcache_fp8 launch");
 }
