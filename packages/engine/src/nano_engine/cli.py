@@ -349,6 +349,20 @@ def add_common_options(parser: argparse.ArgumentParser, top_level: bool = False)
     )
 
 
+def length_range(
+    parser: argparse.ArgumentParser, flag: str, default: tuple[int, int], what: str
+) -> None:
+    """A MIN MAX option of lengths drawn uniformly between them."""
+    parser.add_argument(
+        flag,
+        type=_positive,
+        nargs=2,
+        default=default,
+        metavar=("MIN", "MAX"),
+        help=f"{what}, uniform in MIN..MAX (default: {default[0]} {default[1]})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nano-engine", description=__doc__, formatter_class=HelpFormatter
@@ -377,22 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format dummy",
     )
     bench.add_argument("--num-seqs", type=_positive, default=256, help="requests in the workload")
-    bench.add_argument(
-        "--input-len",
-        type=_positive,
-        nargs=2,
-        default=(100, 1024),
-        metavar=("MIN", "MAX"),
-        help="prompt lengths, uniform in MIN..MAX (default: 100 1024)",
-    )
-    bench.add_argument(
-        "--output-len",
-        type=_positive,
-        nargs=2,
-        default=(100, 1024),
-        metavar=("MIN", "MAX"),
-        help="output lengths, uniform in MIN..MAX (default: 100 1024)",
-    )
+    length_range(bench, "--input-len", (100, 1024), "prompt lengths")
+    length_range(bench, "--output-len", (100, 1024), "output lengths")
     bench.add_argument("--bench-seed", type=int, default=0, help="seed of the workload")
     bench.add_argument(
         "--repeat", type=_positive, default=1, help="timed runs (the best is reported)"
@@ -420,14 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument(
         "--num-prompts", type=_positive, default=32, help="random prompts (without a file)"
     )
-    acc.add_argument(
-        "--input-len",
-        type=_positive,
-        nargs=2,
-        default=(32, 512),
-        metavar=("MIN", "MAX"),
-        help="random prompts' lengths, uniform in MIN..MAX (default: 32 512)",
-    )
+    length_range(acc, "--input-len", (32, 512), "random prompts' lengths")
     acc.add_argument(
         "--reference",
         help="the reference's checkpoint (default: the model itself, unquantized; an FP8 "
