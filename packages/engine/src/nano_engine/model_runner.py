@@ -143,6 +143,14 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.dtype = resolve_dtype(config.dtype, model_config, device)
+        if config.fp8_kv_cache and device.type == "cuda":  # (before minutes of loading)
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                raise ValueError(
+                    "an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, "
+                    f"Hopper: its kernels convert to and from e4m3); this one is {major}.{minor}: "
+                    "kv_cache_dtype auto"
+                )
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         source = model_config if config.load_format == "dummy" else config.model
@@ -170,14 +178,6 @@ class ModelRunner:
         if device.type == "cuda" and not self.eager:
             compile_layers(self.model)
         kv_dtype = torch.float8_e4m3fn if config.fp8_kv_cache else self.dtype
-        if config.fp8_kv_cache and device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
-            if (major, minor) < (8, 9):
-                raise ValueError(
-                    "an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, "
-                    f"Hopper: its kernels convert to and from e4m3); this one is {major}.{minor}: "
-                    "kv_cache_dtype auto"
-                )
         backend = choose_attention_backend(
             config.attention_backend, device, self.block_size, self.dtype, config.fp8_kv_cache
         )

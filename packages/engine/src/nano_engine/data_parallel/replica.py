@@ -11,7 +11,6 @@ prompt, which the front holds.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
@@ -24,8 +23,6 @@ from nano_engine.outputs import RequestOutput
 from nano_engine.stats import EngineStats
 from nano_engine.streams import RequestStream
 from nano_scheduler import SamplingParams
-
-log = logging.getLogger("nano_engine")
 
 
 @dataclass(frozen=True)
