@@ -5,7 +5,8 @@ Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, bl
   with contexts of 100-2,000, as in nano-vllm's benchmark): effective bandwidth (KV bytes read
   / time) against a device-to-device copy, the sequences taken longest first (as the engine
   does) and in batch order, and torch's flash attention (SDPA) over a contiguous cache at the
-  uniform shapes (target: >= 3.2 TB/s);
+  uniform shapes (target: >= 3.2 TB/s); the same decodes over an FP8 (e4m3) cache, its bytes
+  counted (target: >= 3.6 TB/s);
 - prefill of 8k-token batches (8k tokens in 16 prompts of 512 up to one of 8k, and 4 x 512 new
   tokens over 1.5k cached, with 16- and 256-token blocks): attention FLOP/s against an 8k bf16
   matmul (target: >= 60% of it), with and without TMA loads, and where nothing is cached
@@ -44,37 +45,42 @@ def ceilings() -> dict:
     return {"copy_tbps": copy / 1e12, "matmul_tflops": matmul / 1e12}
 
 
-def paged_cache(num_tokens: int, block: int = BLOCK):
+def paged_cache(num_tokens: int, block: int = BLOCK, dtype: torch.dtype = DTYPE):
     num_blocks = num_tokens // block + 8
     shape = (num_blocks, KV_HEADS, block, HEAD_DIM)
-    k = torch.randn(shape, device="cuda", dtype=DTYPE)
-    v = torch.randn(shape, device="cuda", dtype=DTYPE)
+    k = torch.randn(shape, device="cuda", dtype=DTYPE).to(dtype)
+    v = torch.randn(shape, device="cuda", dtype=DTYPE).to(dtype)
     return k, v, torch.randperm(num_blocks, device="cuda").int()
 
 
-def decode(lens: list[int]) -> dict:
+def decode(lens: list[int], cache_dtype: torch.dtype = DTYPE) -> dict:
     """Decode over contexts of these lengths: the sequences taken longest first (as the engine
     does) and in batch order; torch's flash attention over a contiguous cache where they are
-    all the same length."""
+    all the same length (bf16 caches only). An FP8 cache reads scales of 0.7 and 1.3."""
     batch, per_seq = len(lens), -(-max(lens) // BLOCK)
-    k, v, perm = paged_cache(batch * per_seq * BLOCK)
+    k, v, perm = paged_cache(batch * per_seq * BLOCK, dtype=cache_dtype)
+    fp8 = cache_dtype != DTYPE
+    scales = {"k_scale": 0.7, "v_scale": 1.3} if fp8 else {}
     tables = perm[: batch * per_seq].view(batch, per_seq).contiguous()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     longest_first = sorted(range(batch), key=lens.__getitem__, reverse=True)
     order = torch.tensor(longest_first, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
     result = {
+        "cache": str(cache_dtype).split(".")[-1],
         "batch": batch,
         "context": f"{min(lens)}-{max(lens)}" if min(lens) < max(lens) else max(lens),
     }
     for name, o in (("triton", order), ("batch_order", None)):
         t = ms(
-            lambda o=o: paged_decode(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, out=out, order=o)
+            lambda o=o: paged_decode(
+                q, k, v, tables, seq_lens, HEAD_DIM**-0.5, out=out, order=o, **scales
+            )
         )
         result[f"{name}_us"], result[f"{name}_tbps"] = t * 1e3, kv_bytes / (t * 1e-3) / 1e12
-    if min(lens) == max(lens):  # torch's flash attention over a contiguous cache
+    if min(lens) == max(lens) and not fp8:  # torch's flash attention over a contiguous cache
         kc = torch.randn(batch, KV_HEADS, lens[0], HEAD_DIM, device="cuda", dtype=DTYPE)
         vc = torch.randn_like(kc)
         qc = q.unsqueeze(2)
@@ -192,6 +198,10 @@ def main() -> None:
         decode([ragged.randint(100, 2000) for _ in range(256)]),
         decode([ragged.randint(100, 2000) for _ in range(64)]),
     ]
+    fp8 = torch.float8_e4m3fn
+    decodes += [decode([1024] * 256, fp8), decode([8192] * 16, fp8)]
+    ragged = random.Random(0)
+    decodes.append(decode([ragged.randint(100, 2000) for _ in range(256)], fp8))
     prefills = [prefill([(8192 // n, 0)] * n) for n in (16, 8, 4, 2, 1)]
     prefills.append(prefill([(512, 1536)] * 4))
     prefills.append(prefill([(512, 1536)] * 4, block=256))  # the cache through TMA
@@ -200,13 +210,13 @@ def main() -> None:
         f"{limits['copy_tbps']:.2f} TB/s, bf16 matmul {limits['matmul_tflops']:.0f} TFLOP/s"
     )
     print(
-        f"{'decode (batch x context)':>24} {'triton TB/s':>12} {'of copy':>8} "
+        f"{'decode (batch x context, cache)':>31} {'triton TB/s':>12} {'of copy':>8} "
         f"{'in batch order':>15} {'sdpa TB/s':>10}"
     )
     for r in decodes:
         sdpa = f"{r['sdpa_tbps']:.2f}" if "sdpa_tbps" in r else "-"
         print(
-            f"{r['batch']:>11} x {r['context']:>10} {r['triton_tbps']:12.2f} "
+            f"{r['batch']:>11} x {r['context']:>10} {r['cache']:>6} {r['triton_tbps']:12.2f} "
             f"{r['triton_tbps'] / limits['copy_tbps']:8.0%} {r['batch_order_tbps']:15.2f} "
             f"{sdpa:>10}"
         )

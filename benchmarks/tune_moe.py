@@ -22,7 +22,7 @@ from triton.testing import do_bench
 from nano_models.layers.moe_tiles import as_kwargs
 from nano_models.layers.moe_triton import align, grouped_gemm
 
-TOKENS = [1, 8, 32, 64, 128, 256, 512, 1024, 4096, 16384]
+TOKENS = [1, 8, 32, 128, 256, 1024, 4096, 16384]
 
 
 def grid(tokens: int, top_k: int, experts: int, quick: bool) -> list[tuple]:
@@ -32,7 +32,9 @@ def grid(tokens: int, top_k: int, experts: int, quick: bool) -> list[tuple]:
     heights = [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * share]
     if quick:
         return list(itertools.product(heights[:2], (64, 128), (64,), (8,), (4,), (3,)))
-    return list(itertools.product(heights, (64, 128), (64, 128), (1, 16), (4, 8), (3, 4)))
+    if share <= 32:  # weight reads bound it: deep tiles and stages keep more bytes in flight
+        return list(itertools.product(heights, (64, 128), (64, 128), (1,), (4,), (3, 4, 5)))
+    return list(itertools.product(heights[-2:], (64, 128), (64, 128), (8,), (4, 8), (3, 4)))
 
 
 def time_launch(a, b, out, ids, experts, pairs_per_row, weights, tile) -> float | None:
@@ -64,6 +66,9 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
     p.add_argument("--json")
+    p.add_argument(
+        "--write", action="store_true", help="put the entry into nano_models/layers/moe_tiles.py"
+    )
     args = p.parse_args()
     dtype = torch.bfloat16
     e, inter, hidden, k = args.experts, args.intermediate, args.hidden, args.top_k
@@ -101,6 +106,36 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"key": list(key), "entries": entries}, f, indent=2)
+    if args.write:
+        print(f"written to {write_entry(key, entries)}")
+
+
+def write_entry(key: tuple, entries: list[tuple]) -> str:
+    """Replace (or add) ``key``'s entry of ``moe_tiles.MEASURED`` in its source file, the other
+    entries kept; returns the file's path."""
+    import importlib
+
+    from nano_models.layers import moe_tiles
+
+    table = dict(importlib.reload(moe_tiles).MEASURED)  # (as the file holds it now)
+    table[key] = [(int(t), tuple(up), tuple(down)) for t, up, down in entries]
+    lines = [HEADER]
+    for k in sorted(table):
+        lines.append(f'    ({", ".join(map(str, k[:4]))}, "{k[4]}"): [')
+        lines += [f"        ({t}, {up!r}, {down!r})," for t, up, down in table[k]]
+        lines.append("    ],")
+    lines.append("}")
+    path = moe_tiles.__file__
+    with open(path) as f:
+        source = f.read()
+    start = source.index(HEADER)
+    end = source.index("\n}\n", start) + 2
+    with open(path, "w") as f:
+        f.write(source[:start] + "\n".join(lines) + source[end:])
+    return path
+
+
+HEADER = "MEASURED: dict[tuple[int, int, int, int, str], list[tuple[int, Tile, Tile]]] = {"
 
 
 if __name__ == "__main__":

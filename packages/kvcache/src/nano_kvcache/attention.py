@@ -29,7 +29,9 @@ except ImportError:
 
 _LOG2E = 1.4426950408889634
 # (a NaN stays NaN when rounded into an FP8 cache, as the store kernels keep it)
-_NAN: tl.constexpr = tl.PropagateNan.ALL
+# (a global a kernel reads must be a constexpr object: an annotation passes Triton's
+# interpreter but fails to compile on GPUs)
+_NAN = tl.constexpr(tl.PropagateNan.ALL)
 
 
 @triton.jit

@@ -14,7 +14,18 @@ import torch
 Tile = tuple[int, int, int, int, int, int]
 
 # (experts, intermediate, hidden, top_k, dtype) -> [(up to tokens, up tile, down tile), ...]
-MEASURED: dict[tuple[int, int, int, int, str], list[tuple[int, Tile, Tile]]] = {}
+MEASURED: dict[tuple[int, int, int, int, str], list[tuple[int, Tile, Tile]]] = {
+    (128, 768, 2048, 8, "bfloat16"): [
+        (1, (16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 5)),
+        (8, (16, 64, 128, 1, 4, 4), (16, 64, 128, 1, 4, 3)),
+        (32, (16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+        (128, (16, 128, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+        (256, (32, 128, 128, 1, 4, 3), (32, 64, 128, 1, 4, 3)),
+        (1024, (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3)),
+        (4096, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+        (16384, (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)),
+    ],
+}
 
 
 def rule(tokens: int, top_k: int) -> tuple[Tile, Tile]:

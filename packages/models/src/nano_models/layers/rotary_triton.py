@@ -13,7 +13,7 @@ import triton.language as tl
 from nano_kvcache import ops
 
 # (a NaN stays NaN when rounded into an FP8 cache, as the store kernels keep it)
-_NAN: tl.constexpr = tl.PropagateNan.ALL
+_NAN = tl.constexpr(tl.PropagateNan.ALL)  # (an annotation is not enough on GPUs)
 
 
 @triton.jit
