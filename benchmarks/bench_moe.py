@@ -5,7 +5,8 @@ Qwen3-30B-A3B's shapes by default (2048 hidden, 768 expert intermediate, 128 exp
 bf16). For each batch size: the experts the routing touches (uniform random scores, so about
 E (1 - (1 - k/E)^T) of them), their weight bytes (gate, up and down), the copy time of as many
 bytes (a device-to-device copy measured here), the fused layer's time replayed in a CUDA graph
-(route and experts, as a decode step runs it), and the torch path's time (eager).
+(route and experts, as a decode step runs it), the torch path's time (eager), and the pairs'
+alignment alone in torch's ops and in one Triton program (in graphs).
 
     python benchmarks/bench_moe.py [--batch 1 32 256] [--json out.json]
 """
@@ -19,7 +20,7 @@ import torch
 from triton.testing import do_bench
 
 from nano_models.layers.moe import moe_torch, route
-from nano_models.layers.moe_triton import fused_moe
+from nano_models.layers.moe_triton import align_torch, align_triton, fused_moe
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -61,6 +62,14 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
     )
     copy_us = nbytes / bandwidth * 1e6
+    # The pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS picks between them).
+    align_us = {
+        how.__name__: do_bench(
+            graph_of(lambda how=how: how(ids, experts, 16)).replay, rep=100, return_mode="median"
+        )
+        * 1e3
+        for how in (align_torch, align_triton)
+    }
     return {
         "batch": batch,
         "experts_touched": touched,
@@ -70,6 +79,7 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         "fused_tbps": nbytes / (fused_ms * 1e-3) / 1e12,
         "fused_vs_copy": copy_us / (fused_ms * 1e3),
         "torch_us": torch_ms * 1e3,
+        **{f"{name}_us": us for name, us in align_us.items()},
     }
 
 
@@ -86,7 +96,7 @@ def main() -> None:
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     print(
         f"{'batch':>6} {'experts':>8} {'MB':>8} {'copy us':>8} {'fused us':>9} {'TB/s':>6} "
-        f"{'of copy':>8} {'torch us':>9}"
+        f"{'of copy':>8} {'torch us':>9} {'align: torch us':>16} {'triton us':>10}"
     )
     rows = []
     for batch in args.batch:
@@ -103,7 +113,8 @@ def main() -> None:
         print(
             f"{batch:>6} {row['experts_touched']:>8} {row['weight_bytes'] / 1e6:>8.1f} "
             f"{row['copy_us']:>8.1f} {row['fused_us']:>9.1f} {row['fused_tbps']:>6.2f} "
-            f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f}"
+            f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f} "
+            f"{row['align_torch_us']:>16.1f} {row['align_triton_us']:>10.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:

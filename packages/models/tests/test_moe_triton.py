@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from nano_models.layers.moe import moe_torch, route
 from nano_models.layers.moe_tiles import as_kwargs, choose, rule
-from nano_models.layers.moe_triton import align, fused_moe
+from nano_models.layers.moe_triton import align, align_torch, align_triton, fused_moe
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,14 +61,21 @@ def weights_of(experts, inter, hidden, dtype, seed):
     return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
 
 
+@pytest.mark.parametrize("how", [align_torch, align_triton], ids=["torch", "triton"])
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize(
     "tokens,experts,top_k,kind",
-    [(1, 8, 2, "random"), (5, 8, 8, "random"), (37, 16, 4, "skewed"), (64, 6, 2, "unused")],
+    [
+        (1, 8, 2, "random"),
+        (5, 8, 8, "random"),
+        (37, 16, 4, "skewed"),
+        (64, 6, 2, "unused"),
+        (50, 60, 8, "random"),  # (experts not a power of two; 400 pairs: 7 chunks)
+    ],
 )
-def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, kind, block_m):
+def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, kind, block_m, how):
     ids = routing(tokens, experts, top_k, kind, seed=tokens + experts)
-    sorted_pairs, tile_experts, used = (t.cpu() for t in align(ids, experts, block_m))
+    sorted_pairs, tile_experts, used = (t.cpu() for t in how(ids, experts, block_m))
     pairs = tokens * top_k
     flat = ids.flatten().cpu().tolist()
     # Brute force: each expert's pairs in order, padded to a multiple of block_m.
@@ -86,6 +93,20 @@ def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, k
     assert len(sorted_pairs) >= pairs + min(experts, pairs) * (block_m - 1)
     assert tile_experts[: len(owners)].tolist() == owners
     assert (tile_experts[len(owners) :] == experts).all()
+
+
+def test_align_takes_one_launch_for_decode_and_torch_for_long_prefills(monkeypatch):
+    import nano_models.layers.moe_triton as moe_triton
+
+    ids = routing(40, 16, 4, "random", seed=1)
+    calls = []
+    for name in ("align_triton", "align_torch"):
+        monkeypatch.setattr(moe_triton, name, lambda *a, name=name: calls.append(name) or ())
+    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
+    align(ids, 16, 16)
+    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
+    align(ids, 16, 16)
+    assert calls == (["align_triton", "align_torch"] if DEVICE == "cuda" else ["align_torch"] * 2)
 
 
 CASES = [  # tokens, experts, intermediate, hidden, top_k, routing

@@ -21,15 +21,38 @@ import triton.language as tl
 from nano_models.layers.activation import silu_and_mul
 from nano_models.layers.triton_tiles import grouped_tile
 
+# Up to this many (token, slot) pairs one Triton program aligns them, in one launch instead of
+# torch's dozen (each a few microseconds even in a CUDA graph: ~3 ms of a 6.9 ms batch-1 step of
+# Qwen3-30B-A3B went to the launches around the expert GEMMs). The program walks the pairs 64 at
+# a time, so past a few hundred pairs torch's parallel ops win: an estimate until
+# benchmarks/bench_moe.py (which times both) has run on the GPU.
+ONE_PROGRAM_PAIRS = 512
+
 
 def align(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs of ``ids`` [T, k] by expert, each expert's run padded to a
-    multiple of ``block_m``. Returns ``sorted_pairs`` [P] int32 (pair indices t * k + slot;
-    padding holds T * k), ``tile_experts`` [P / block_m] int32 (the expert of each tile;
-    ``num_experts`` past the used tiles) and ``used`` [1] int32 (the padded length used).
-    P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most any routing needs."""
+    multiple of ``block_m``. Returns ``sorted_pairs`` [P] int32 (pair indices t * k + slot, in
+    order within an expert; padding holds T * k), ``tile_experts`` [P / block_m] int32 (the
+    expert of each tile; ``num_experts`` past the used tiles) and ``used`` [1] int32 (the
+    padded length used). P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most
+    any routing needs. One Triton launch on CUDA for up to ``ONE_PROGRAM_PAIRS`` pairs, else
+    torch's ops; both give the same tensors."""
+    if ids.is_cuda and ids.numel() <= ONE_PROGRAM_PAIRS:
+        return align_triton(ids, num_experts, block_m)
+    return align_torch(ids, num_experts, block_m)
+
+
+def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
+    length = pairs + min(num_experts, pairs) * (block_m - 1)
+    return -(-length // block_m) * block_m
+
+
+def align_torch(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align`` with torch's ops."""
     pairs = ids.numel()
     device = ids.device
     flat = ids.reshape(-1).long()
@@ -40,13 +63,83 @@ def align(
     order = torch.argsort(flat, stable=True)
     by_expert = flat[order]
     rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[by_expert]
-    length = pairs + min(num_experts, pairs) * (block_m - 1)
-    length = -(-length // block_m) * block_m
+    length = _aligned_length(pairs, num_experts, block_m)
     sorted_pairs = torch.full((length,), pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, (ends - padded)[by_expert] + rank, order.int())
     tile_starts = torch.arange(0, length, block_m, device=device)
     tile_experts = torch.searchsorted(ends, tile_starts, right=True).int()
     return sorted_pairs, tile_experts, ends[-1:].int()
+
+
+@triton.jit
+def _align_kernel(
+    ids,
+    sorted_pairs,
+    tile_experts,
+    used,
+    pairs,
+    length,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: count each expert's pairs, lay the padded runs out (a prefix sum), name
+    each tile's expert, then place every pair at its expert's start plus its rank among the
+    expert's earlier pairs (BLOCK pairs at a time, a one-hot [BLOCK, BLOCK_E] per chunk)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
+        counts += tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(used, tl.sum(padded, 0))
+    for start in range(0, length // BLOCK_M, BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        before = (ends[None, :] <= (tile * BLOCK_M)[:, None]) & (e[None, :] < num_experts)
+        tl.store(tile_experts + tile, tl.sum(before.to(tl.int32), 1), mask=tile < length // BLOCK_M)
+    for start in range(0, length, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_pairs + offs, tl.zeros([BLOCK], dtype=tl.int32) + pairs, mask=offs < length)
+    tl.debug_barrier()  # (the padding is written before any pair lands on it)
+    placed = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < pairs
+        x = tl.load(ids + offs, mask=valid, other=-1).to(tl.int32)
+        onehot = (x[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
+        base = tl.sum(onehot * (starts + placed)[None, :], 1)
+        tl.store(sorted_pairs + base + rank, offs, mask=valid)
+        placed += tl.sum(onehot, 0)
+
+
+def align_triton(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align`` in one Triton launch (one program: for decode-sized routings)."""
+    pairs = ids.numel()
+    length = _aligned_length(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(length, dtype=torch.int32, device=ids.device)
+    tile_experts = torch.empty(length // block_m, dtype=torch.int32, device=ids.device)
+    used = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids.reshape(-1),
+        sorted_pairs,
+        tile_experts,
+        used,
+        pairs,
+        length,
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=64,
+        num_warps=4,
+    )
+    return sorted_pairs, tile_experts, used
 
 
 @triton.jit
