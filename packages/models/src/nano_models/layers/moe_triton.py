@@ -72,6 +72,13 @@ def align_torch(
 
 
 @triton.jit
+def _experts_of(ids, start, pairs, BLOCK: tl.constexpr):
+    """Pairs start..start + BLOCK: their indices and experts (-1 past the last pair)."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
+
+
+@triton.jit
 def _align_kernel(
     ids,
     sorted_pairs,
@@ -90,8 +97,7 @@ def _align_kernel(
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
+        _, x = _experts_of(ids, start, pairs, BLOCK)
         counts += tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
@@ -107,13 +113,11 @@ def _align_kernel(
     tl.debug_barrier()  # (the padding is written before any pair lands on it)
     placed = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < pairs
-        x = tl.load(ids + offs, mask=valid, other=-1).to(tl.int32)
+        offs, x = _experts_of(ids, start, pairs, BLOCK)
         onehot = (x[:, None] == e[None, :]).to(tl.int32)
         rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
         base = tl.sum(onehot * (starts + placed)[None, :], 1)
-        tl.store(sorted_pairs + base + rank, offs, mask=valid)
+        tl.store(sorted_pairs + base + rank, offs, mask=offs < pairs)
         placed += tl.sum(onehot, 0)
 
 
