@@ -78,7 +78,8 @@ def _experts_of(ids, start, pairs, BLOCK: tl.constexpr):
     return offs, tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
 
 
-@triton.jit
+# (the pair counts vary step to step: no variant compiled per their divisibility while serving)
+@triton.jit(do_not_specialize=["pairs", "length"])
 def _align_kernel(
     ids,
     sorted_pairs,
