@@ -95,45 +95,18 @@ def store_kvcache(
         store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     elem = key.element_size()
-    strides = (key.stride(0) * elem, key.stride(1) * elem, value.stride(0) * elem)
-    strides += (value.stride(1) * elem,)
+    pointers = (key, value, k_cache, v_cache, slot_mapping)
+    # (the arguments both kernels take, up to the row's size)
+    head = (*(t.data_ptr() for t in pointers), slot_mapping.element_size(), num_tokens)
+    head += (k_cache.shape[0] * k_cache.shape[2], num_heads)
+    layout = (key.stride(0) * elem, key.stride(1) * elem, value.stride(0) * elem)
+    layout += (value.stride(1) * elem, k_cache.shape[2])  # (byte strides, block size)
+    device = (key.device.index, _stream(key.device))
     if is_fp8(k_cache.dtype):
-        _C.store_kvcache_fp8(
-            key.data_ptr(),
-            value.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            slot_mapping.data_ptr(),
-            slot_mapping.element_size(),
-            num_tokens,
-            k_cache.shape[0] * k_cache.shape[2],
-            num_heads,
-            head_dim,
-            *strides,
-            k_cache.shape[2],
-            _DTYPE_CODES[key.dtype],
-            1.0 / k_scale,
-            1.0 / v_scale,
-            key.device.index,
-            _stream(key.device),
-        )
-        return
-    _C.store_kvcache(
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slot_mapping.data_ptr(),
-        slot_mapping.element_size(),
-        num_tokens,
-        k_cache.shape[0] * k_cache.shape[2],
-        num_heads,
-        head_dim * elem,
-        *strides,
-        k_cache.shape[2],
-        key.device.index,
-        _stream(key.device),
-    )
+        codes = (_DTYPE_CODES[key.dtype], 1.0 / k_scale, 1.0 / v_scale)
+        _C.store_kvcache_fp8(*head, head_dim, *layout, *codes, *device)
+    else:
+        _C.store_kvcache(*head, head_dim * elem, *layout, *device)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
