@@ -5,8 +5,9 @@ Qwen3-30B-A3B's shapes by default (2048 hidden, 768 expert intermediate, 128 exp
 bf16). For each batch size: the experts the routing touches (uniform random scores, so about
 E (1 - (1 - k/E)^T) of them), their weight bytes (gate, up and down), the copy time of as many
 bytes (a device-to-device copy measured here), the fused layer's time replayed in a CUDA graph
-(route and experts, as a decode step runs it), the torch path's time (eager), and the pairs'
-alignment alone in torch's ops and in one Triton program (in graphs).
+(router, routing and experts, as a decode step runs it; at most ``ONE_PROGRAM_PAIRS`` pairs the
+routing and alignment are one program), the torch path's time (eager), and the routing with the
+pairs' alignment, and the alignment alone, in torch's ops and in one Triton program (in graphs).
 
     python benchmarks/bench_moe.py [--batch 1 32 256] [--json out.json]
 """
@@ -20,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from nano_models.layers.moe import moe_torch, route
-from nano_models.layers.moe_triton import align_torch, align_triton, fused_moe
+from nano_models.layers.moe_triton import align_torch, align_triton, route_align_triton, routed_moe
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -49,8 +50,7 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
     w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / 30).to(dtype)
 
     def layer():
-        weights, ids = route(x @ router, top_k, True, dtype)
-        return fused_moe(x, w13, w2, weights, ids)
+        return routed_moe(x, x @ router, w13, w2, top_k, True)
 
     weights, ids = route(x @ router, top_k, True, dtype)
     touched = int(torch.unique(ids).numel())
@@ -62,13 +62,18 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
     )
     copy_us = nbytes / bandwidth * 1e6
-    # The pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS picks between them).
+    # The routing and the pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS
+    # picks between them), and the alignment alone.
+    logits = x @ router
+    ways = {
+        "route_align_torch": lambda: align_torch(route(logits, top_k, True, dtype)[1], experts, 16),
+        "route_align_triton": lambda: route_align_triton(logits, top_k, True, dtype, 16),
+        "align_torch": lambda: align_torch(ids, experts, 16),
+        "align_triton": lambda: align_triton(ids, experts, 16),
+    }
     align_us = {
-        how.__name__: do_bench(
-            graph_of(lambda how=how: how(ids, experts, 16)).replay, rep=100, return_mode="median"
-        )
-        * 1e3
-        for how in (align_torch, align_triton)
+        name: do_bench(graph_of(fn).replay, rep=100, return_mode="median") * 1e3
+        for name, fn in ways.items()
     }
     return {
         "batch": batch,
@@ -96,7 +101,8 @@ def main() -> None:
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     print(
         f"{'batch':>6} {'experts':>8} {'MB':>8} {'copy us':>8} {'fused us':>9} {'TB/s':>6} "
-        f"{'of copy':>8} {'torch us':>9} {'align: torch us':>16} {'triton us':>10}"
+        f"{'of copy':>8} {'torch us':>9} {'route+align: torch us':>22} {'triton us':>10} "
+        f"{'align: torch us':>16} {'triton us':>10}"
     )
     rows = []
     for batch in args.batch:
@@ -114,6 +120,7 @@ def main() -> None:
             f"{batch:>6} {row['experts_touched']:>8} {row['weight_bytes'] / 1e6:>8.1f} "
             f"{row['copy_us']:>8.1f} {row['fused_us']:>9.1f} {row['fused_tbps']:>6.2f} "
             f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f} "
+            f"{row['route_align_torch_us']:>22.1f} {row['route_align_triton_us']:>10.1f} "
             f"{row['align_torch_us']:>16.1f} {row['align_triton_us']:>10.1f}"
         )
     if args.json:

@@ -1,5 +1,6 @@
 """The fused MoE kernels against float64 torch: the alignment of pairs to tiles against a
-brute-force model, the two grouped GEMMs on ragged expert loads (an expert with no token, a
+brute-force model, the routing (softmax, top-k) fused with it against torch's, the two grouped
+GEMMs (SiLU-and-mul in the first one's epilogue) on ragged expert loads (an expert with no token, a
 single token, every token on one expert), every tile setting, and on the GPU inside a CUDA
 graph replayed with other routings. GPU-marked; with TRITON_INTERPRET=1 (float32, small
 shapes; Triton 3.6's interpreter needs numpy < 2.4) it also runs on the CPU."""
@@ -15,7 +16,15 @@ pytest.importorskip("triton")
 
 from nano_models.layers.moe import moe_torch, route
 from nano_models.layers.moe_tiles import as_kwargs, choose, rule
-from nano_models.layers.moe_triton import align, align_torch, align_triton, fused_moe
+from nano_models.layers.moe_triton import (
+    align,
+    align_torch,
+    align_triton,
+    fused_moe,
+    route_align,
+    route_align_triton,
+    routed_moe,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,7 +104,42 @@ def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, k
     assert (tile_experts[len(owners) :] == experts).all()
 
 
-def test_align_takes_one_launch_for_decode_and_torch_for_long_prefills(monkeypatch):
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,renormalize",
+    [
+        (1, 8, 2, True),
+        (5, 8, 8, False),  # every expert chosen
+        (37, 16, 4, True),  # (chunks of tokens: 128 at 16 experts)
+        (50, 60, 8, False),  # (experts not a power of two)
+        (40, 128, 8, True),  # Qwen3-30B-A3B's router: 16 tokens a chunk
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_route_align_chooses_as_torch_does(tokens, experts, top_k, renormalize, dtype):
+    g = torch.Generator().manual_seed(tokens * experts + top_k)
+    logits = (torch.randn(tokens, experts, generator=g) * 3).to(DEVICE, dtype)
+    block_m = 16
+    weights, ids, aligned = route_align_triton(logits, top_k, renormalize, dtype, block_m)
+    want_w, want_ids = route(logits, top_k, renormalize, dtype)
+    assert weights.dtype == dtype and weights.shape == ids.shape == (tokens, top_k)
+    # (random logits: no two equal, so the choice and its order are torch's)
+    assert ids.long().cpu().tolist() == want_ids.cpu().tolist()
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
+    torch.testing.assert_close(weights.cpu(), want_w.cpu(), **tol)
+    for got, want in zip(aligned, align_torch(want_ids, experts, block_m), strict=True):
+        assert got.cpu().tolist() == want.cpu().tolist()
+
+
+def test_route_align_of_a_strided_logits_view():
+    logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    view = logits[:, :16]  # (rows 32 apart)
+    weights, ids, _ = route_align_triton(view, 3, True, torch.float32, 16)
+    want_w, want_ids = route(view, 3, True, torch.float32)
+    assert ids.long().cpu().tolist() == want_ids.cpu().tolist()
+    torch.testing.assert_close(weights, want_w)
+
+
+def test_one_launch_for_decode_and_torch_for_long_prefills(monkeypatch):
     import nano_models.layers.moe_triton as moe_triton
 
     ids = routing(40, 16, 4, "random", seed=1)
@@ -107,6 +151,14 @@ def test_align_takes_one_launch_for_decode_and_torch_for_long_prefills(monkeypat
     monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
     align(ids, 16, 16)
     assert calls == (["align_triton", "align_torch"] if DEVICE == "cuda" else ["align_torch"] * 2)
+    # route_align: the program's ids are int32, torch's topk gives int64.
+    monkeypatch.undo()
+    logits = torch.randn(40, 16, device=DEVICE)
+    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
+    one = route_align(logits, 4, True, torch.float32, 16)[1].dtype
+    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
+    assert route_align(logits, 4, True, torch.float32, 16)[1].dtype == torch.int64
+    assert one == (torch.int32 if DEVICE == "cuda" else torch.int64)
 
 
 CASES = [  # tokens, experts, intermediate, hidden, top_k, routing
@@ -150,15 +202,17 @@ def test_every_tile_setting_gives_the_same_result(tile):
     )
 
 
-def test_the_routers_choice_through_the_kernels():
-    """route() then fused_moe(): the block's path on the GPU, against the torch experts."""
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_routers_choice_through_the_kernels(renormalize):
+    """routed_moe(): the block's path on the GPU, against route() then the torch experts."""
     tokens, experts, inter, hidden, top_k = 9, 8, 32, 64, 3
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
     w13, w2 = weights_of(experts, inter, hidden, torch.float32, seed=2)
-    weights, ids = route(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True, x.dtype)
+    logits = torch.randn(tokens, experts, generator=g).to(DEVICE)
+    weights, ids = route(logits, top_k, renormalize, x.dtype)
     torch.testing.assert_close(
-        fused_moe(x, w13, w2, weights, ids),
+        routed_moe(x, logits, w13, w2, top_k, renormalize),
         moe_torch(x, w13, w2, weights, ids),
         atol=1e-4,
         rtol=1e-4,
@@ -189,3 +243,25 @@ def test_a_cuda_graph_replays_other_routings(tokens):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("tokens", [1, 32, 256])
+def test_a_cuda_graph_replays_the_routing_of_other_logits(tokens):
+    experts, inter, hidden, top_k = 128, 96, 256, 8
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, device=DEVICE, dtype=torch.bfloat16)
+    w13, w2 = weights_of(experts, inter, hidden, torch.bfloat16, seed=4)
+    routed_moe(x, logits, w13, w2, top_k, True)  # (compiled before capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_moe(x, logits, w13, w2, top_k, True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, routed_moe(x, logits, w13, w2, top_k, True), atol=0, rtol=0)
+        weights, ids = route(logits, top_k, True, x.dtype)
+        want = reference(x, w13, w2, weights, ids.cpu())
+        torch.testing.assert_close(out.double().cpu(), want, atol=3e-2, rtol=3e-2)

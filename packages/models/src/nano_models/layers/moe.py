@@ -7,8 +7,9 @@ The experts' weights are held fused: ``w13`` [E, 2 I, H] (gate then up of each e
 parallelism each rank holds a slice of every expert's intermediate dimension I and the block
 all-reduces its output, as a row-parallel layer does.
 
-On CUDA (with Triton) the experts run as two grouped GEMM launches (``moe_triton``), whose
-shapes depend on the number of tokens alone: decode steps run in CUDA graphs. ``moe_torch`` is
+On CUDA (with Triton) the routing and the experts run in a few launches (``moe_triton``: the
+routing with the pairs' alignment, two grouped GEMMs, a sum), whose shapes depend on the number
+of tokens alone: decode steps run in CUDA graphs. ``moe_torch`` is
 the CPU's path and the kernels' reference: it gathers each expert's tokens, so its shapes
 depend on the routing.
 """
@@ -78,7 +79,7 @@ def moe_torch(
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: ``forward(x, weights, ids)`` with the router's choice."""
+    """The experts of one layer: ``forward(x, router_logits, top_k, renormalize)``."""
 
     def __init__(
         self,
@@ -128,13 +129,17 @@ class FusedMoE(nn.Module):
         source.expect_shape((self.hidden_size, self.intermediate_size))
         param.data[expert].copy_(source.narrow(1, self.tp.rank * self.local, self.local))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> torch.Tensor:
+        """The experts of the router's top-k choice (``route`` of ``router_logits``)."""
+        w13, w2 = self.w13_weight, self.w2_weight
         if fused_available(x.device):
-            from nano_models.layers.moe_triton import fused_moe
+            from nano_models.layers.moe_triton import routed_moe
 
-            out = fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = routed_moe(x, router_logits, w13, w2, top_k, renormalize)
         else:
-            out = moe_torch(x, self.w13_weight, self.w2_weight, weights, ids)
+            out = moe_torch(x, w13, w2, *route(router_logits, top_k, renormalize, x.dtype))
         return self.tp.all_reduce(out)
 
 
@@ -158,5 +163,4 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
-        return self.experts(x, weights, ids)
+        return self.experts(x, self.gate(x), self.top_k, self.renormalize)

@@ -4,7 +4,8 @@
 fastest settings ``benchmarks/tune_moe.py`` found on an H200 for a list of token counts, each
 entry good up to its count; a shape that is not there takes ``rule``'s settings. A setting is
 (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), for the gate/up launch then the
-down launch.
+down launch; BLOCK_N counts the weight rows a program reads (in the gate/up launch half are gate
+rows and half up rows, for BLOCK_N / 2 outputs).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Mixture of experts on the GPU in two grouped GEMM launches (Triton).
+"""Mixture of experts on the GPU in a few launches (Triton).
 
-The (token, slot) pairs of the router's choice are sorted by expert and each expert's run
-padded to a multiple of the tile height (``align``); then one launch computes every expert's
-gate and up projections of its tokens (``w13``), SiLU-and-mul runs once over all pairs, and
-one launch computes the down projections (``w2``) scaled by the routing weights. The pairs'
-outputs are summed per token. Every shape depends on the number of tokens alone (the sorted
-list is as long as the worst case; tiles past the used length return at once), and no value
-goes back to the host, so a decode step with experts runs inside a CUDA graph.
+The router's top-k choice and the (token, slot) pairs' alignment run in one program for
+decode-sized batches (``route_align``): each token's softmax over its expert logits and top-k,
+then the pairs sorted by expert, each expert's run padded to a multiple of the tile height.
+Then one launch computes every expert's gate and up projections of its tokens and SiLU-and-mul
+in its epilogue (``w13``), one launch the down projections (``w2``) scaled by the routing
+weights, and a sum adds each token's k outputs. Every shape depends on the number of tokens
+alone (the sorted list is as long as the worst case; tiles past the used length return at
+once), and no value goes back to the host, so a decode step with experts runs inside a CUDA
+graph.
 
 Tiles per shape come from ``nano_models.layers.moe_tiles`` (measured on an H200 by
 ``benchmarks/tune_moe.py``), else from a rule by the number of tokens.
@@ -18,15 +20,24 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_models.layers.activation import silu_and_mul
+from nano_models.layers.moe import route
 from nano_models.layers.triton_tiles import grouped_tile
 
-# Up to this many (token, slot) pairs one Triton program aligns them, in one launch instead of
-# torch's dozen (each a few microseconds even in a CUDA graph: ~3 ms of a 6.9 ms batch-1 step of
-# Qwen3-30B-A3B went to the launches around the expert GEMMs). The program walks the pairs 64 at
-# a time, so past a few hundred pairs torch's parallel ops win: an estimate until
+# Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
+# instead of torch's ~20 (each a few microseconds even in a CUDA graph: ~3 ms of a 6.9 ms
+# batch-1 step of Qwen3-30B-A3B went to the launches around the expert GEMMs). The program
+# walks the pairs 64 at a time, so past some count torch's parallel ops win: an estimate until
 # benchmarks/bench_moe.py (which times both) has run on the GPU.
 ONE_PROGRAM_PAIRS = 512
+
+
+def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
+    length = pairs + min(num_experts, pairs) * (block_m - 1)
+    return -(-length // block_m) * block_m
+
+
+def _one_program(ids_or_logits: torch.Tensor, pairs: int) -> bool:
+    return ids_or_logits.is_cuda and pairs <= ONE_PROGRAM_PAIRS
 
 
 def align(
@@ -39,14 +50,54 @@ def align(
     padded length used). P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most
     any routing needs. One Triton launch on CUDA for up to ``ONE_PROGRAM_PAIRS`` pairs, else
     torch's ops; both give the same tensors."""
-    if ids.is_cuda and ids.numel() <= ONE_PROGRAM_PAIRS:
+    if _one_program(ids, ids.numel()):
         return align_triton(ids, num_experts, block_m)
     return align_torch(ids, num_experts, block_m)
 
 
-def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
-    length = pairs + min(num_experts, pairs) * (block_m - 1)
-    return -(-length // block_m) * block_m
+def route_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``route`` then ``align``: (weights [T, k] in ``dtype``, expert ids [T, k], the aligned
+    pairs). One Triton launch on CUDA for up to ``ONE_PROGRAM_PAIRS`` pairs, else torch's
+    ops."""
+    if _one_program(router_logits, router_logits.shape[0] * top_k):
+        return route_align_triton(router_logits, top_k, renormalize, dtype, block_m)
+    weights, ids = route(router_logits, top_k, renormalize, dtype)
+    return weights, ids, align_torch(ids, router_logits.shape[1], block_m)
+
+
+def route_align_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``route_align`` in one Triton launch (one program: for decode-sized batches); the ids
+    in int32, among equal probabilities the lower expert id first."""
+    tokens, experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    aligned = _aligned_buffers(tokens * top_k, experts, block_m, device)
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    _route_align_kernel[(1,)](
+        router_logits,
+        weights,
+        ids,
+        *aligned,
+        tokens,
+        aligned[0].numel(),
+        experts,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=max(1, 2048 // triton.next_power_of_2(experts)),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(experts),
+        BLOCK=64,
+        num_warps=4,
+    )
+    return weights, ids, aligned
 
 
 def align_torch(
@@ -71,6 +122,77 @@ def align_torch(
     return sorted_pairs, tile_experts, ends[-1:].int()
 
 
+def _aligned_buffers(pairs: int, num_experts: int, block_m: int, device) -> tuple:
+    length = _aligned_length(pairs, num_experts, block_m)
+    return (
+        torch.empty(length, dtype=torch.int32, device=device),
+        torch.empty(length // block_m, dtype=torch.int32, device=device),
+        torch.empty(1, dtype=torch.int32, device=device),
+    )
+
+
+def align_triton(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align`` in one Triton launch (one program: for decode-sized routings)."""
+    aligned = _aligned_buffers(ids.numel(), num_experts, block_m, ids.device)
+    _align_kernel[(1,)](
+        ids.reshape(-1),
+        *aligned,
+        ids.numel(),
+        aligned[0].numel(),
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=64,
+        num_warps=4,
+    )
+    return aligned
+
+
+@triton.jit
+def _route(
+    logits,
+    weights,
+    ids,
+    tokens,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Each token's softmax over its experts' logits (float32) and its TOP_K most probable
+    experts, most probable first (renormalized to sum to 1 with RENORMALIZE): ``weights`` and
+    ``ids`` [tokens, TOP_K]. BLOCK_T tokens at a time."""
+    e = tl.arange(0, BLOCK_E)
+    slot = tl.arange(0, BLOCK_K)
+    expert = (e < num_experts)[None, :]
+    for start in range(0, tokens, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        live = t < tokens
+        ptrs = logits + t.to(tl.int64)[:, None] * stride_t + e[None, :]
+        x = tl.load(ptrs, mask=live[:, None] & expert, other=0.0).to(tl.float32)
+        x = tl.where(expert, x, float("-inf"))
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        p = tl.where(expert, p / tl.sum(p, 1)[:, None], -1.0)
+        chosen_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        chosen_e = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(p, 1, tie_break_left=True).to(tl.int32)
+            chosen_w = tl.where(slot[None, :] == j, tl.max(p, 1)[:, None], chosen_w)
+            chosen_e = tl.where(slot[None, :] == j, best[:, None], chosen_e)
+            p = tl.where(e[None, :] == best[:, None], -1.0, p)  # (taken)
+        if RENORMALIZE:
+            chosen_w = chosen_w / tl.sum(chosen_w, 1)[:, None]
+        offs = t[:, None] * TOP_K + slot[None, :]
+        mask = live[:, None] & (slot[None, :] < TOP_K)
+        tl.store(weights + offs, chosen_w.to(weights.dtype.element_ty), mask=mask)
+        tl.store(ids + offs, chosen_e, mask=mask)
+
+
 @triton.jit
 def _experts_of(ids, start, pairs, BLOCK: tl.constexpr):
     """Pairs start..start + BLOCK: their indices and experts (-1 past the last pair)."""
@@ -78,9 +200,8 @@ def _experts_of(ids, start, pairs, BLOCK: tl.constexpr):
     return offs, tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
 
 
-# (the pair counts vary step to step: no variant compiled per their divisibility while serving)
-@triton.jit(do_not_specialize=["pairs", "length"])
-def _align_kernel(
+@triton.jit
+def _align(
     ids,
     sorted_pairs,
     tile_experts,
@@ -92,9 +213,9 @@ def _align_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: count each expert's pairs, lay the padded runs out (a prefix sum), name
-    each tile's expert, then place every pair at its expert's start plus its rank among the
-    expert's earlier pairs (BLOCK pairs at a time, a one-hot [BLOCK, BLOCK_E] per chunk)."""
+    """Count each expert's pairs, lay the padded runs out (a prefix sum), name each tile's
+    expert, then place every pair at its expert's start plus its rank among the expert's
+    earlier pairs (BLOCK pairs at a time, a one-hot [BLOCK, BLOCK_E] per chunk)."""
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, pairs, BLOCK):
@@ -122,29 +243,66 @@ def _align_kernel(
         placed += tl.sum(onehot, 0)
 
 
-def align_triton(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``align`` in one Triton launch (one program: for decode-sized routings)."""
-    pairs = ids.numel()
-    length = _aligned_length(pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(length, dtype=torch.int32, device=ids.device)
-    tile_experts = torch.empty(length // block_m, dtype=torch.int32, device=ids.device)
-    used = torch.empty(1, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](
-        ids.reshape(-1),
-        sorted_pairs,
-        tile_experts,
-        used,
-        pairs,
-        length,
-        num_experts,
-        BLOCK_M=block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK=64,
-        num_warps=4,
+# (the pair counts vary step to step: no variant compiled per their divisibility while serving)
+@triton.jit(do_not_specialize=["pairs", "length"])
+def _align_kernel(
+    ids,
+    sorted_pairs,
+    tile_experts,
+    used,
+    pairs,
+    length,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program aligns the pairs (``_align``)."""
+    _align(
+        ids, sorted_pairs, tile_experts, used, pairs, length, num_experts, BLOCK_M, BLOCK_E, BLOCK
     )
-    return sorted_pairs, tile_experts, used
+
+
+@triton.jit(do_not_specialize=["tokens", "length"])
+def _route_align_kernel(
+    logits,
+    weights,
+    ids,
+    sorted_pairs,
+    tile_experts,
+    used,
+    tokens,
+    length,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program routes the tokens (``_route``), then aligns the pairs it chose (``_align``,
+    reading back the ids this program wrote)."""
+    _route(
+        logits,
+        weights,
+        ids,
+        tokens,
+        num_experts,
+        stride_t,
+        TOP_K,
+        RENORMALIZE,
+        BLOCK_T,
+        BLOCK_K,
+        BLOCK_E,
+    )
+    tl.debug_barrier()  # (every token's ids are written before the alignment reads them)
+    pairs = tokens * TOP_K
+    _align(
+        ids, sorted_pairs, tile_experts, used, pairs, length, num_experts, BLOCK_M, BLOCK_E, BLOCK
+    )
 
 
 @triton.jit
@@ -168,6 +326,7 @@ def _grouped_gemm(
     stride_cm,
     stride_cn,
     PAIRS_PER_ROW: tl.constexpr,
+    GATED: tl.constexpr,
     MUL_WEIGHTS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -176,7 +335,9 @@ def _grouped_gemm(
     GROUP_M: tl.constexpr,
 ):
     """c[pair, :N] = a[pair // PAIRS_PER_ROW, :K] @ b[expert of pair, :N, :K]^T (times the
-    pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``."""
+    pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``.
+    GATED: b holds 2N rows (gate, then up) and c[pair, n] = SiLU(gate_n) * up_n, both products
+    in float32 (a program reads BLOCK_N gate rows and the BLOCK_N up rows N further)."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(length, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(used):
@@ -191,13 +352,20 @@ def _grouped_gemm(
     a_ptrs = a + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         left = K - step * BLOCK_K
         x = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < left), other=0.0)
-        w = tl.load(b_ptrs, mask=(offs_k[:, None] < left) & (offs_n[None, :] < N), other=0.0)
+        b_mask = (offs_k[:, None] < left) & (offs_n[None, :] < N)
+        w = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if GATED:
+            u = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -212,12 +380,18 @@ def grouped_gemm(
     pairs_per_row: int,
     weights: torch.Tensor | None,
     tile: dict,
+    gated: bool = False,
 ) -> None:
     """``out`` [pairs, N] = rows of ``a`` [pairs / pairs_per_row, K] times their experts'
     ``b`` [E, N, K] (transposed), scaled by ``weights`` [pairs] when given; ``aligned``: from
-    ``align`` with the tile's BLOCK_M."""
+    ``align`` with the tile's BLOCK_M. ``gated``: ``b`` is [E, 2N, K] (gate rows, then up)
+    and ``out`` SiLU(gate) * up. The tile's BLOCK_N counts the rows of ``b`` a program reads
+    (gated: half of them gate rows, half up rows)."""
     sorted_pairs, tile_experts, used = aligned
-    n, k = b.shape[1], b.shape[2]
+    n, k = out.shape[1], b.shape[2]
+    if b.shape[1] != (2 * n if gated else n):
+        raise ValueError(f"b {tuple(b.shape)} does not fit out {tuple(out.shape)}")
+    tile = {**tile, "BLOCK_N": tile["BLOCK_N"] // 2} if gated else tile
     length = sorted_pairs.numel()
     grid = (triton.cdiv(length, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
     _grouped_gemm[grid](
@@ -240,6 +414,7 @@ def grouped_gemm(
         out.stride(0),
         out.stride(1),
         PAIRS_PER_ROW=pairs_per_row,
+        GATED=gated,
         MUL_WEIGHTS=weights is not None,
         # (float32 as torch computes it, not in TF32; lower precisions are exact either way)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -259,18 +434,44 @@ def fused_moe(
     W_down: x [T, H], w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I], weights [T, k],
     ids [T, k] -> [T, H] in x's dtype. ``tiles``: the two launches' tile settings (default:
     ``moe_tiles.choose``)."""
+    tiles = tiles or _tiles(x, w13, ids.shape[1])
+    aligned = align(ids, w13.shape[0], tiles[0]["BLOCK_M"])
+    return _experts(x, w13, w2, weights, ids, aligned, tiles)
+
+
+def routed_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    tiles: tuple[dict, dict] | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` of the router's choice (``route`` of ``router_logits`` [T, E]), the
+    routing and the alignment in one launch for decode-sized batches (``route_align``)."""
+    tiles = tiles or _tiles(x, w13, top_k)
+    weights, ids, aligned = route_align(
+        router_logits, top_k, renormalize, x.dtype, tiles[0]["BLOCK_M"]
+    )
+    return _experts(x, w13, w2, weights, ids, aligned, tiles)
+
+
+def _tiles(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict, dict]:
     from nano_models.layers.moe_tiles import choose
 
+    experts, inter2, hidden = w13.shape
+    return choose(x.shape[0], experts, inter2 // 2, hidden, top_k, x.dtype)
+
+
+def _experts(x, w13, w2, weights, ids, aligned, tiles) -> torch.Tensor:
+    """The gated gate/up launch, the weighted down launch and the sum over each token's k."""
     tokens, top_k = ids.shape
     experts, inter2, hidden = w13.shape
     pairs = tokens * top_k
-    if tiles is None:
-        tiles = choose(tokens, experts, inter2 // 2, hidden, top_k, x.dtype)
     up_tile, down_tile = tiles
-    gate_up = torch.empty(pairs, inter2, dtype=x.dtype, device=x.device)
-    aligned = align(ids, experts, up_tile["BLOCK_M"])
-    grouped_gemm(x, w13, gate_up, aligned, top_k, None, up_tile)
-    h = silu_and_mul(gate_up)
+    h = torch.empty(pairs, inter2 // 2, dtype=x.dtype, device=x.device)
+    grouped_gemm(x, w13, h, aligned, top_k, None, up_tile, gated=True)
     down = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     if down_tile["BLOCK_M"] != up_tile["BLOCK_M"]:
         aligned = align(ids, experts, down_tile["BLOCK_M"])
