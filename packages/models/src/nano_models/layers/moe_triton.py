@@ -24,11 +24,11 @@ from nano_models.layers.moe import route
 from nano_models.layers.triton_tiles import grouped_tile
 
 # Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
-# instead of torch's ~20 (each a few microseconds even in a CUDA graph: ~3 ms of a 6.9 ms
-# batch-1 step of Qwen3-30B-A3B went to the launches around the expert GEMMs). The program
-# walks the pairs 64 at a time, so past some count torch's parallel ops win: an estimate until
-# benchmarks/bench_moe.py (which times both) has run on the GPU.
-ONE_PROGRAM_PAIRS = 512
+# instead of torch's ~20 (each a few microseconds even in a CUDA graph). The program walks the
+# pairs 64 at a time, so past some count torch's parallel ops win. Measured on an H200
+# (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; torch's ops / the program):
+# 8 pairs 57 / 13 us, 256: 102 / 29, 512: 109 / 49, 1,024: 113 / 89, 2,048: 114 / 170.
+ONE_PROGRAM_PAIRS = 1024
 
 
 def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
