@@ -1,7 +1,9 @@
-"""Registers, spills and shared memory of the prefill kernel's variants, compiled for Hopper
-(sm_90a) without a GPU: Triton lowers the kernel to PTX and its bundled ptxas reports what the
-GPU would run. Occupancy follows: a multiprocessor has 64k registers and 227 KiB of shared
-memory. Qwen3-0.6B's shape (16 query heads, 8 KV heads, head_dim 128, bf16).
+"""Registers, spills and shared memory of kernel variants compiled for Hopper (sm_90a) without a
+GPU: Triton lowers a kernel to PTX and its bundled ptxas reports what the GPU would run.
+Occupancy follows: a multiprocessor has 64k registers and 227 KiB of shared memory. The prefill
+kernel at Qwen3-0.6B's shape (16 query heads, 8 KV heads, head_dim 128, bf16); the block-FP8
+products as ``fp8_matmul.plan`` launches them for Qwen3-8B's layers, and the activations'
+rounding.
 
     python benchmarks/kernel_resources.py
 """
@@ -54,6 +56,11 @@ def resources(tile: tuple[int, int, int, int], cache: str, tma: bool, block_size
     source = ASTSource(
         _prefill_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}
     )
+    return report(source, num_warps, num_stages)
+
+
+def report(source: ASTSource, num_warps: int, num_stages: int) -> dict:
+    """Shared memory (KiB), registers per thread and spilled bytes of a compiled source."""
     kernel = triton.compile(
         source,
         target=GPUTarget("cuda", 90, 32),
@@ -76,6 +83,61 @@ def resources(tile: tuple[int, int, int, int], cache: str, tma: bool, block_size
     }
 
 
+def aligned(kernel, types: dict, constants: dict) -> ASTSource:
+    """``kernel`` as a launch specializes it: pointers 16-byte aligned, integer arguments
+    multiples of 16 except M (without it, Triton neither vectorizes nor pipelines loads)."""
+    names = kernel.arg_names
+    signature = {name: types.get(name, "i32") for name in names}
+    signature |= dict.fromkeys(constants, "constexpr")
+    attrs = {
+        (names.index(name),): [["tt.divisibility", 16]]
+        for name in names
+        if name not in constants and name != "M"
+    }
+    return ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
+
+
+def fp8_products() -> None:
+    """The block-FP8 kernels ``plan`` launches for Qwen3-8B's layers (bf16 activations)."""
+    from nano_models.layers.fp8_matmul import _block_fp8_kernel, plan
+    from nano_models.layers.fp8_quant import _round_kernel, settings
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096)}
+    shapes["down"] = (4096, 12288)
+    print(
+        f"\n{'fp8 product':>22} {'rows':>5} {'settings':>46} {'shared KiB':>11} {'registers':>10}"
+        f" {'spilled B':>10}"
+    )
+    for rows in (1, 16, 64, 256, 4096):
+        for name, (n, k) in shapes.items():
+            p = plan(rows, n, k, 128, 132)
+            constants = {key: v for key, v in p.items() if not key.startswith("num_")}
+            constants |= {"SCALE_COLS": 128, "PRECISION": "tf32"}
+            out = "*fp32" if p["SPLIT_K"] > 1 else "*bf16"
+            x = "*fp8e4nv" if p["A8"] else "*bf16"
+            types = {"x": x, "xs": "*fp32", "w": "*fp8e4nv", "s": "*fp32", "y": out}
+            r = report(
+                aligned(_block_fp8_kernel, types, constants), p["num_warps"], p["num_stages"]
+            )
+            tile = (p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["num_warps"], p["num_stages"])
+            label = f"{'w8a8' if p['A8'] else 'w8a16'} {tile} split {p['SPLIT_K']}"
+            print(
+                f"{name:>22} {rows:5} {label:>46} {r['shared_kib']:11} {r['registers']:10}"
+                f" {r['spilled_bytes']:10}",
+                flush=True,
+            )
+    for group in (128, 4096, 12288):
+        launch = settings(group)
+        constants = {"BLOCK": launch["BLOCK"], "ONE_PASS": launch["ONE_PASS"]}
+        types = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32"}
+        r = report(aligned(_round_kernel, types, constants), launch["num_warps"], 1)
+        label = f"rounding, groups of {group}"
+        print(
+            f"{label:>22} {'':5} {constants!s:>46} {r['shared_kib']:11} {r['registers']:10}"
+            f" {r['spilled_bytes']:10}"
+        )
+
+
 def main() -> None:
     variants = [
         ("no cached keys", "none", True, 16),
@@ -92,6 +154,7 @@ def main() -> None:
                 f"{r['spilled_bytes']:10}",
                 flush=True,
             )
+    fp8_products()
 
 
 if __name__ == "__main__":

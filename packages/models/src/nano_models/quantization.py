@@ -12,11 +12,14 @@ model's dtype).
   weight gets the scale max|w| / 448 when loaded, and activations are quantized per token as
   they come (max|x| / 448).
 
-The products: with block scales, a Triton kernel (``nano_models.layers.fp8_matmul``) reads the
-e4m3 weight and its scales and multiplies in the activations' dtype (half the weight bytes of
-bf16); per channel, ``torch._scaled_mm`` (FP8 tensor cores, on GPUs of compute capability 8.9
-and later) with the activations' and the weight's scales. Elsewhere (the CPU) both compute the
-same in float32 from the dequantized values: the reference the GPU paths are tested against.
+The products: with block scales, Triton kernels (``nano_models.layers.fp8_matmul``) that read
+the e4m3 weight and its scales (half the weight bytes of bf16) and multiply, at few rows, in
+the activations' dtype, at many, on FP8 tensor cores with the activations rounded to e4m3 per
+token and block of columns (as the checkpoints' dynamic activation scales are); per channel,
+``torch._scaled_mm`` (FP8 tensor cores, on GPUs of compute capability 8.9 and later) with the
+activations rounded per token (one Triton launch, ``nano_models.layers.fp8_quant``) and the
+weight's scales. Elsewhere (the CPU) both compute in float32 from the dequantized weights, the
+block scheme without rounding the activations: the reference the GPU paths are tested against.
 """
 
 from __future__ import annotations
@@ -204,13 +207,34 @@ def dequantize(layer: LinearBase) -> torch.Tensor:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] in e4m3 with a float32 scale per token [T, 1] (max|x| / 448)."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """x [T, K] in e4m3 with a float32 scale per token [T, 1] (max|x| / 448): one Triton
+    launch on CUDA, ``round_per_token`` elsewhere (the same values, bit for bit)."""
+    if x.is_cuda and _triton():
+        from nano_models.layers.fp8_quant import round_per_token as rounded_on_gpu
+
+        return rounded_on_gpu(x)
+    return round_per_token(x)
+
+
+def round_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] in e4m3 with a float32 scale per token [T, 1] (max|x| / 448), in torch."""
+    return round_per_token_group(x, max(x.shape[-1], 1))
+
+
+def round_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] in e4m3 with a float32 scale per token and group of ``group`` columns
+    [T, ceil(K / group)] (max|x| / 448 over the group, at least 1e-12; the last group may be
+    short), in torch: the CPU path and the reference of the Triton kernels."""
+    t, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(t, groups * group)[:, :k].contiguous(), scale
 
 
 class BlockFp8:
-    """A block-scaled e4m3 weight: the Triton kernel on CUDA, float32 elsewhere."""
+    """A block-scaled e4m3 weight: the Triton kernels on CUDA, float32 elsewhere."""
 
     def __init__(self, block: int) -> None:
         self.block = block  # input columns per scale
