@@ -245,10 +245,12 @@ def test_the_planned_product_matches_the_reference_and_replays_in_a_cuda_graph(m
 
 @pytest.mark.gpu
 @needs_fp8_gpu
-@pytest.mark.parametrize("m", [1, 16, 200])
+@pytest.mark.parametrize("m", [1, 16, 17, 200])
 def test_scaled_mm_matches_the_cpus_arithmetic(m):
+    """From WIDEN_ROWS + 1 rows: the CPU's arithmetic (activations rounded per token); up to
+    it the weight is widened and the activations kept: float64 of the bf16 activations."""
     from nano_models.layers.linear import ReplicatedLinear
-    from nano_models.quantization import ChannelFp8
+    from nano_models.quantization import WIDEN_ROWS, ChannelFp8
 
     g = torch.Generator().manual_seed(m)
     layer = ReplicatedLinear(256, 512, bias=True)
@@ -259,6 +261,13 @@ def test_scaled_mm_matches_the_cpus_arithmetic(m):
     layer.bias.data = torch.randn(512, generator=g)
     layer.quant = ChannelFp8()
     x = torch.randn(m, 256, generator=g)
-    want = layer(x.bfloat16()).float()  # (the CPU: float32 arithmetic, rounded to bf16)
+    cpu = layer(x.bfloat16()).float()  # (the CPU: float32 arithmetic, rounded to bf16)
+    if m > WIDEN_ROWS:
+        want = cpu
+    else:
+        w64 = layer.weight.double() * scale.double()[:, None]
+        want = (x.bfloat16().double() @ w64.t() + layer.bias.double()).bfloat16().float()
     got = layer.to("cuda")(x.to("cuda", torch.bfloat16)).float().cpu()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    if m <= WIDEN_ROWS:  # (closer than with the activations rounded)
+        assert (got - want).abs().max() < 0.5 * (cpu - want).abs().max()
