@@ -76,7 +76,9 @@ def test_w8a16_matches_float64(m, n, k, block, dtype, split):
     y = block_fp8_matmul(x, w8, scales, block, forced(m, n, k, block, False, split))
     want = x.double() @ (w8.double() * spread(scales, block, k)).t()
     assert y.dtype == dtype and y.shape == (m, n)
-    assert relative_error(y, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # (float32: Hopper's FP8 tensor cores accumulate with ~14 bits of mantissa within an MMA
+    # (DeepSeek-V3's report, 3.3.2): relative errors of 4-8e-5 measured on an H200)
+    assert relative_error(y, want) < (3e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.gpu
@@ -98,7 +100,9 @@ def test_w8a8_is_the_product_of_its_rounded_activations(m, n, k, block, dtype, s
     x_rounded = q.double() * spread(q_scales, block, k)
     want = x_rounded @ (w8.double() * spread(scales, block, k)).t()
     assert y.dtype == dtype and y.shape == (m, n)
-    assert relative_error(y, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # (float32: Hopper's FP8 tensor cores accumulate with ~14 bits of mantissa within an MMA
+    # (DeepSeek-V3's report, 3.3.2): relative errors of 4-8e-5 measured on an H200)
+    assert relative_error(y, want) < (3e-4 if dtype == torch.float32 else 2e-2)
     # (and it is near the unrounded product: e4m3 keeps 3 bits of mantissa)
     assert relative_error(y, x.double() @ (w8.double() * spread(scales, block, k)).t()) < 0.1
 
