@@ -200,8 +200,10 @@ def _experts_of(ids, start, pairs, BLOCK: tl.constexpr):
     return offs, tl.load(ids + offs, mask=offs < pairs, other=-1).to(tl.int32)
 
 
-@triton.jit
-def _align(
+# (the pair counts vary step to step: no variant compiled per their divisibility while serving;
+# launched alone by align_triton, and called by _route_align_kernel)
+@triton.jit(do_not_specialize=["pairs", "length"])
+def _align_kernel(
     ids,
     sorted_pairs,
     tile_experts,
@@ -213,9 +215,9 @@ def _align(
     BLOCK_E: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Count each expert's pairs, lay the padded runs out (a prefix sum), name each tile's
-    expert, then place every pair at its expert's start plus its rank among the expert's
-    earlier pairs (BLOCK pairs at a time, a one-hot [BLOCK, BLOCK_E] per chunk)."""
+    """One program: count each expert's pairs, lay the padded runs out (a prefix sum), name
+    each tile's expert, then place every pair at its expert's start plus its rank among the
+    expert's earlier pairs (BLOCK pairs at a time, a one-hot [BLOCK, BLOCK_E] per chunk)."""
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, pairs, BLOCK):
@@ -243,26 +245,6 @@ def _align(
         placed += tl.sum(onehot, 0)
 
 
-# (the pair counts vary step to step: no variant compiled per their divisibility while serving)
-@triton.jit(do_not_specialize=["pairs", "length"])
-def _align_kernel(
-    ids,
-    sorted_pairs,
-    tile_experts,
-    used,
-    pairs,
-    length,
-    num_experts,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program aligns the pairs (``_align``)."""
-    _align(
-        ids, sorted_pairs, tile_experts, used, pairs, length, num_experts, BLOCK_M, BLOCK_E, BLOCK
-    )
-
-
 @triton.jit(do_not_specialize=["tokens", "length"])
 def _route_align_kernel(
     logits,
@@ -283,8 +265,8 @@ def _route_align_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program routes the tokens (``_route``), then aligns the pairs it chose (``_align``,
-    reading back the ids this program wrote)."""
+    """One program routes the tokens (``_route``), then aligns the pairs it chose
+    (``_align_kernel``, reading back the ids this program wrote)."""
     _route(
         logits,
         weights,
@@ -300,7 +282,7 @@ def _route_align_kernel(
     )
     tl.debug_barrier()  # (every token's ids are written before the alignment reads them)
     pairs = tokens * TOP_K
-    _align(
+    _align_kernel(
         ids, sorted_pairs, tile_experts, used, pairs, length, num_experts, BLOCK_M, BLOCK_E, BLOCK
     )
 
