@@ -20,7 +20,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from graph_timing import replayed_us
 
 from nano_models import quantization
 from nano_models.layers.fp8_matmul import block_fp8_matmul, plan
@@ -40,16 +40,6 @@ def old_tile(m: int) -> dict:
     else:
         tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8}
     return {"A8": False, **tile, "num_stages": 3, "SPLIT_K": 1}
-
-
-def replayed(fn) -> float:
-    """Median microseconds of fn replayed in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e3
 
 
 def neighbours(planned: dict, m: int, n: int, k: int) -> list[dict]:
@@ -72,7 +62,7 @@ def neighbours(planned: dict, m: int, n: int, k: int) -> list[dict]:
 def fastest(x, w8, scales, planned: dict) -> tuple[float, dict]:
     """The fastest of the planned settings' neighbours, and its time."""
     timed = [
-        (replayed(lambda s=settings: block_fp8_matmul(x, w8, scales, 128, s)), settings)
+        (replayed_us(lambda s=settings: block_fp8_matmul(x, w8, scales, 128, s)), settings)
         for settings in neighbours(planned, x.shape[0], w8.shape[0], x.shape[1])
     ]
     return min(timed, key=lambda t: t[0])
@@ -102,7 +92,7 @@ def run(name: str, n: int, k: int, m: int, multiprocessors: int, search: bool) -
         ("scaled_old", lambda: scaled(quantization.round_per_token)),
         ("scaled", lambda: scaled(round_per_token)),
     ):
-        us = replayed(fn)
+        us = replayed_us(fn)
         row[f"{label}_us"] = us
         row[f"{label}_weight_tbps"] = n * k * (2 if label == "bf16" else 1) / (us * 1e-6) / 1e12
     row["block_us"] = row["w8a8_us" if planned["A8"] else "w8a16_us"]

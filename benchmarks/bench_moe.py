@@ -18,19 +18,11 @@ import argparse
 import json
 
 import torch
+from graph_timing import replayed_us
 from triton.testing import do_bench
 
 from nano_models.layers.moe import moe_torch, route
 from nano_models.layers.moe_triton import align_torch, align_triton, route_align_triton, routed_moe
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # (compiled, and the allocator warm, before the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -56,8 +48,7 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
     touched = int(torch.unique(ids).numel())
     expert_bytes = 3 * inter * hidden * x.element_size()
     nbytes = touched * expert_bytes
-    graph = graph_of(layer)
-    fused_ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    fused_us = replayed_us(layer, rep=200)
     torch_ms = do_bench(
         lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
     )
@@ -71,18 +62,15 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         "align_torch": lambda: align_torch(ids, experts, 16),
         "align_triton": lambda: align_triton(ids, experts, 16),
     }
-    align_us = {
-        name: do_bench(graph_of(fn).replay, rep=100, return_mode="median") * 1e3
-        for name, fn in ways.items()
-    }
+    align_us = {name: replayed_us(fn) for name, fn in ways.items()}
     return {
         "batch": batch,
         "experts_touched": touched,
         "weight_bytes": nbytes,
         "copy_us": copy_us,
-        "fused_us": fused_ms * 1e3,
-        "fused_tbps": nbytes / (fused_ms * 1e-3) / 1e12,
-        "fused_vs_copy": copy_us / (fused_ms * 1e3),
+        "fused_us": fused_us,
+        "fused_tbps": nbytes / (fused_us * 1e-6) / 1e12,
+        "fused_vs_copy": copy_us / fused_us,
         "torch_us": torch_ms * 1e3,
         **{f"{name}_us": us for name, us in align_us.items()},
     }

@@ -17,7 +17,7 @@ import itertools
 import json
 
 import torch
-from triton.testing import do_bench
+from graph_timing import replayed_us
 
 from nano_models.layers.moe_tiles import as_kwargs
 from nano_models.layers.moe_triton import align, grouped_gemm
@@ -46,12 +46,7 @@ def time_launch(a, b, out, ids, experts, pairs_per_row, weights, gated, tile) ->
         def launch():
             grouped_gemm(a, b, out, aligned, pairs_per_row, weights, kwargs, gated)
 
-        launch()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            launch()
-        return do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3
+        return replayed_us(launch, warmup=5, rep=25)
     except Exception:  # (too much shared memory, or registers: not a candidate here)
         torch.cuda.synchronize()
         return None
