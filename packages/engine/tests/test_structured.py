@@ -329,3 +329,82 @@ def test_a_steps_grammar_work_takes_tokens_then_fills_without_the_ended():
         assert masks.start([going], [3], [going], [0]).masks() is None  # (it ended)
     finally:
         masks.close()
+
+
+# Run under Triton's interpreter (set before triton is imported: a process of its own), with
+# the sampler's fused pass on the CPU, where it is otherwise CUDA's only.
+_DEFERRED = """
+import json, sys
+from nano_engine import LLM, SamplingParams, StructuredOutputsParams
+
+path, constraints = sys.argv[1], json.loads(sys.argv[2])
+params = [
+    SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=2,
+                   structured_outputs=StructuredOutputsParams(**constraints["json"])),
+    SamplingParams(temperature=1.0, seed=8, max_tokens=40,
+                   structured_outputs=StructuredOutputsParams(**constraints["regex"])),
+    SamplingParams(temperature=0.0, max_tokens=40,
+                   structured_outputs=StructuredOutputsParams(**constraints["choice"])),
+    SamplingParams(temperature=1.0, seed=9, max_tokens=30),  # (unconstrained, in the batch)
+]
+prompts = ["a b c", "hello", "x", "y z"]
+result = {}
+for mode in ("async", "sync"):
+    with LLM(path, kvcache_block_size=4, async_scheduling=mode == "async") as llm:
+        engine = llm.engine
+        engine.sampler.fused = True
+        draw, deferred = engine._draw_deferred, []
+
+        def spy(step, clock):
+            deferred.append(len(step.pending.slots))
+            draw(step, clock)
+
+        engine._draw_deferred = spy
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result[mode] = {
+            "tokens": [[c.token_ids for c in o.outputs] for o in outs],
+            "texts": [[c.text for c in o.outputs] for o in outs],
+            "reasons": [[c.finish_reason for c in o.outputs] for o in outs],
+            "deferred": len(deferred),
+        }
+print(json.dumps(result))
+"""
+
+
+def test_draws_put_off_to_the_next_launch_equal_the_synchronous_loop(path, tmp_path):
+    """With async scheduling a constrained step that takes the fused pass draws its tokens at
+    the next step's launch (``LLMEngine._deferrable``): seeded, greedy and unconstrained rows
+    beside them draw what the synchronous loop draws, and the outputs meet the constraints
+    (a choice that ends while the others go on leaves steps with no bitmask at all)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    constraints = {
+        "json": {"json": SCHEMA, "disable_any_whitespace": True},
+        "regex": {"regex": REGEX},
+        "choice": {"choice": CHOICES},
+    }
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = tmp_path / "deferred.py"
+    script.write_text(_DEFERRED)
+    run = subprocess.run(
+        [sys.executable, str(script), path, json.dumps(constraints)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    deferred, synchronous = result["async"], result["sync"]
+    assert deferred["deferred"] > 10 and synchronous["deferred"] == 0
+    assert deferred["tokens"] == synchronous["tokens"]
+    assert deferred["reasons"] == synchronous["reasons"]
+    for kind, texts, reasons in zip(
+        ("json", "regex", "choice"), deferred["texts"], deferred["reasons"]
+    ):
+        for text, reason in zip(texts, reasons):
+            assert reason == "length" or valid(kind, text), (kind, text)
+    assert deferred["reasons"][2] == ["stop"] and deferred["texts"][2][0] in CHOICES

@@ -24,6 +24,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nano_engine.config import EngineConfig
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
@@ -36,7 +37,7 @@ from nano_engine.requests import (
     load_tokenizer,
     reasoning_tokens,
 )
-from nano_engine.sampler import SampledTokens, Sampler, prompt_logprobs
+from nano_engine.sampler import FusedRows, SampledTokens, Sampler, prompt_logprobs
 from nano_engine.stats import EngineStats, StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
@@ -53,6 +54,9 @@ from nano_scheduler import (
     Sequence,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("nano_engine")
 
 
@@ -60,12 +64,14 @@ log = logging.getLogger("nano_engine")
 class _InFlight:
     """A launched step whose sampled tokens have not been read yet."""
 
-    sampled: SampledTokens
+    sampled: SampledTokens | None  # None: its draw waits for a grammar's bitmask (``deferred``)
     pending: PendingStep
     rows: dict[int, int]  # seq_id -> row of its token in ``sampled``
     log: StepLogEntry | NullEntry  # its step-log record
     # prompt logprobs: the step's (seq_id, position) slots and their tensors on the device
     prompt: tuple[list[tuple[int, int]], tuple] | None = None
+    # a draw put off until the next step launches (``_deferrable``): its logits and rows' inputs
+    deferred: tuple[torch.Tensor, FusedRows] | None = None
 
 
 class LLMEngine:
@@ -355,8 +361,10 @@ class LLMEngine:
         log = self._begin_record(out, clock.start)
         if not out.is_empty:
             step = StepInput.of(out, previous.rows if previous else None)
-            tokens = previous.sampled.tokens if previous else None
             clock.mark("schedule")
+            if previous is not None and previous.deferred is not None:
+                self._draw_deferred(previous, clock)
+            tokens = previous.sampled.tokens if previous else None
             log.mark(0)
             # A decode step in a CUDA graph draws its tokens there, when every row can.
             fused = (
@@ -375,6 +383,8 @@ class LLMEngine:
             clock.mark("launch", device="forward")
         clock.mark("schedule")
         if previous is not None:
+            if previous.deferred is not None:
+                self._draw_deferred(previous, clock)
             self._resolve(previous, out if not out.is_empty else None, touched, clock)
             previous.log.end()
         now = time.monotonic()
@@ -383,8 +393,8 @@ class LLMEngine:
         current = None
         if not out.is_empty:
             seqs = out.sampling_seqs
-            sampled = drawn
-            if sampled is None:
+            sampled, deferred = drawn, None
+            if sampled is None and (deferred := self._deferrable(out, seqs)) is None:
                 batch = self._sampling_batch(out, seqs)
                 clock.mark("sample")
                 log.mark(2)
@@ -392,7 +402,10 @@ class LLMEngine:
                 log.mark(3)
             clock.mark("sample", device="sample_device")
             rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-            current = _InFlight(sampled, self.scheduler.advance(out), rows, log, prompt)
+            pending = self.scheduler.advance(out)
+            current = _InFlight(sampled, pending, rows, log, prompt)
+            if deferred is not None:
+                current.deferred = (result.logits, deferred)
             clock.mark("sample")
             if self.async_scheduling:
                 self._in_flight = current
@@ -473,6 +486,28 @@ class LLMEngine:
             if rows is not None:
                 return self.sampler.prepare_fused(rows, grammar)
         return self.sampler.prepare(seqs, grammar, self._banned(seqs))
+
+    def _deferrable(self, out: SchedulerOutput, seqs: list[Sequence]) -> FusedRows | None:
+        """A step whose draw waits for a grammar's bitmask (filling in the background) and
+        takes nothing but the fused pass: with async scheduling its draw waits until the next
+        step is scheduled and staged, so that the host prepares that step while the bitmask
+        fills and the device runs the draw and that step's forward back to back (drawn now,
+        the device would idle from this step's forward to the next launch). Returns the rows'
+        inputs (taken now: seeds follow the sequences' lengths, which ``advance`` changes), or
+        None: draw now."""
+        if not self.async_scheduling or self._masks is None or self._masks[0] is not out:
+            return None
+        return self.sampler.fused_rows(seqs, grammar=True)
+
+    def _draw_deferred(self, step: _InFlight, clock: Phases) -> None:
+        """Draw a deferred step's tokens (``_deferrable``) once its bitmask is filled."""
+        logits, rows = step.deferred
+        step.deferred = None
+        batch = self.sampler.prepare_fused(rows, self._grammar_masks(step.pending.output))
+        step.log.mark(2)
+        step.sampled = self.sampler.sample(logits, batch)
+        step.log.mark(3)
+        clock.mark("sample", device="sample_device")
 
     def _banned(self, seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
         """(row, tokens) that rows with bad words may not take next."""

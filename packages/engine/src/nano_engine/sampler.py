@@ -137,15 +137,17 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def prepare_fused(
-        self, rows: FusedRows, grammar: tuple[torch.Tensor, list[int]]
+        self, rows: FusedRows, grammar: tuple[torch.Tensor, list[int]] | None
     ) -> SamplingBatch:
         """The batch of rows that all take the fused pass (``fused_rows(seqs, grammar=True)``)
-        with a grammar's bitmask (``prepare``'s ``grammar``): seeds, 1 / temperature and each
-        row's row of the bitmask, in one copy to the device."""
+        with a grammar's bitmask (``prepare``'s ``grammar``; None: no row is constrained any
+        more): seeds, 1 / temperature and each row's row of the bitmask, in one copy to the
+        device."""
         n = len(rows.seeds)
         staged = array("i", array("q", rows.seeds).tobytes())
         staged.frombytes(array("f", rows.inv_temperature).tobytes())
-        staged.extend(_mask_rows(grammar[1], n))
+        if grammar is not None:
+            staged.extend(_mask_rows(grammar[1], n))
         if self._staging is not None:
             packed = self._staging.copy(staged)
         else:
@@ -162,7 +164,7 @@ class Sampler:
             grammar=grammar,
             inv_temperature=packed[2 * n : 3 * n].view(torch.float32),
             seeds=packed[: 2 * n].view(torch.int64),
-            mask_rows=packed[3 * n :],
+            mask_rows=packed[3 * n :] if grammar is not None else None,
         )
 
     def prepare(
