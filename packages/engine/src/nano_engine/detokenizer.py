@@ -4,9 +4,19 @@ Text grows a token at a time but is decoded over a short window of tokens, so a 
 character split across tokens is emitted only once complete. Stop strings are searched across
 token boundaries and cut from the text; while streaming, the last ``max(len(stop)) - 1``
 characters are held back since they may be the start of a stop string.
+
+With a fast (Rust) tokenizer the window is decoded by ``tokenizers``' own ``DecodeStream``, the
+same algorithm in one call per token (~0.6 us against ~5 us for the two ``decode`` calls of
+the Python window, which at 64 sequences was a fifth of the loop's time per step).
 """
 
 from __future__ import annotations
+
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # (tokenizers < 0.21, or none: the Python window does it)
+    Tokenizer = DecodeStream = None
 
 _REPLACEMENT = "\ufffd"
 
@@ -34,6 +44,20 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stop_reason: str | None = None
+        self._stream = self._rust = None
+        rust = getattr(tokenizer, "_tokenizer", None)
+        # (``decode``'s clean-up of spaces, where the tokenizer asks for it, is Python's only)
+        cleans = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        if DecodeStream is not None and isinstance(rust, Tokenizer) and not cleans:
+            self._rust = rust
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for token in self._context:
+                self._stream.step(rust, token)
+            # Its window then starts at the context's last whole character, the Python one at
+            # the context's start: the same text follows, unless the context ends inside a
+            # character (the Python window's prefix ends with a replacement character then).
+            if self._decode(self._context).endswith(_REPLACEMENT):
+                self._stream = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -42,6 +66,20 @@ class IncrementalDetokenizer:
         """Append a token; True if a stop string now ends the text (looked for only where
         ``may_stop``)."""
         self.token_ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._rust, token_id)
+            except Exception:  # ("invalid prefix": the Python window takes over from here)
+                self._stream = None
+            else:
+                if piece is None:
+                    return False  # an incomplete character: wait for the next token
+                before = len(self.text)
+                self.text += piece
+                # (the window's offsets as the Python path keeps them: it may take over)
+                end = len(self._context) + len(self.token_ids)
+                self._prefix_offset, self._read_offset = self._read_offset, end
+                return may_stop and self._find_stop(before)
         ids = self._context + self.token_ids
         prefix = self._decode(ids[self._prefix_offset : self._read_offset])
         full = self._decode(ids[self._prefix_offset :])
