@@ -402,10 +402,8 @@ class LLMEngine:
                 log.mark(3)
             clock.mark("sample", device="sample_device")
             rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-            pending = self.scheduler.advance(out)
-            current = _InFlight(sampled, pending, rows, log, prompt)
-            if deferred is not None:
-                current.deferred = (result.logits, deferred)
+            later = (result.logits, deferred) if deferred is not None else None
+            current = _InFlight(sampled, self.scheduler.advance(out), rows, log, prompt, later)
             clock.mark("sample")
             if self.async_scheduling:
                 self._in_flight = current
