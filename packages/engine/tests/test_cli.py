@@ -95,6 +95,9 @@ def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
     assert sorted(int(r.id) for r in log.requests) == list(range(16 + 64, 2 * 16 + 64))
     assert all(r.arrival <= r.first_scheduled <= r.finish for r in log.requests)
     assert sum(r.output_tokens for r in log.requests) == result["output_tokens"]
+    # Each request counted once where it was taken in, with its prompt's tokens.
+    assert sum(r.accepted for r in log.steps) == 16
+    assert sum(r.accepted_tokens for r in log.steps) == sum(r.prompt_tokens for r in log.requests)
 
 
 def test_bad_arguments_are_reported():

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from nano_kvcache import (
@@ -177,8 +179,23 @@ def test_different_prompt_after_eviction_gets_no_false_hit():
 
 class CollidingBlockManager(BlockManager):
     @staticmethod
-    def compute_hash(token_ids, prefix_hash=-1):
+    def hash_contents(contents, prefix_hash=-1):
         return 42  # every block collides
+
+
+def test_cached_blocks_keep_their_tokens_out_of_the_garbage_collectors_way():
+    # A full prefix cache holds every block's token ids; as lists they made each full
+    # collection of the server's heap walk them all (tens of ms in the middle of a step).
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Seq(list(range(300, 309)))
+    prefill(bm, a)
+    registered = [bm.blocks[b] for b in a.block_table[:2]]
+    assert [b.token_ids for b in registered] == [list(range(300, 304)), list(range(304, 308))]
+    assert not any(gc.is_tracked(b.contents) for b in registered)
+    bm.deallocate(a)
+    b = Seq(list(range(300, 309)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8
 
 
 def test_hash_collision_never_shares_wrong_kv():

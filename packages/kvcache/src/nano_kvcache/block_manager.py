@@ -25,6 +25,7 @@ from nano_kvcache.errors import (
 )
 
 _NO_HASH = -1
+_MASK = (1 << 128) - 1
 
 
 class KVSequence(Protocol):
@@ -52,7 +53,13 @@ class BlockManagerStats(NamedTuple):
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "parent_hash", "ref_count", "token_ids")
+    """One physical block. A registered (full, hashed) block keeps its token ids as the bytes
+    of an int64 array (``contents``; ``token_ids`` reads them back): a hash hit compares them
+    before sharing the block, and bytes, unlike a list of ints, are not walked by Python's
+    cyclic garbage collector (a prefix cache of 70k blocks as lists cost every full
+    collection a million references)."""
+
+    __slots__ = ("block_id", "contents", "hash", "parent_hash", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -62,7 +69,11 @@ class Block:
     def reset(self) -> None:
         self.hash = _NO_HASH
         self.parent_hash = _NO_HASH
-        self.token_ids: list[int] | None = None
+        self.contents: bytes | None = None
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return None if self.contents is None else array("q", self.contents).tolist()
 
 
 class BlockManager:
@@ -128,10 +139,15 @@ class BlockManager:
     # ---- hashing -----------------------------------------------------------------------------
 
     @staticmethod
-    def compute_hash(token_ids: list[int], prefix_hash: int = _NO_HASH) -> int:
-        """128-bit xxh3 of the parent block's hash (-1 for the first block) and the token ids."""
-        parent = (prefix_hash & ((1 << 128) - 1)).to_bytes(16, "little")
-        return xxhash.xxh3_128_intdigest(parent + array("q", token_ids).tobytes())
+    def hash_contents(contents: bytes, prefix_hash: int = _NO_HASH) -> int:
+        """128-bit xxh3 of the parent block's hash (-1 for the first block) and the block's
+        token ids as int64 bytes."""
+        return xxhash.xxh3_128_intdigest((prefix_hash & _MASK).to_bytes(16, "little") + contents)
+
+    @classmethod
+    def compute_hash(cls, token_ids: list[int], prefix_hash: int = _NO_HASH) -> int:
+        """A block's hash from its token ids."""
+        return cls.hash_contents(array("q", token_ids).tobytes(), prefix_hash)
 
     def _cached_prefix(self, seq: KVSequence) -> list[Block]:
         """The longest run of registered full blocks matching seq's prefix (last token excluded);
@@ -142,13 +158,13 @@ class BlockManager:
         hits: list[Block] = []
         h = _NO_HASH
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            chunk = token_ids[start : start + bs]
-            parent, h = h, self.compute_hash(chunk, h)
+            contents = array("q", token_ids[start : start + bs]).tobytes()
+            parent, h = h, self.hash_contents(contents, h)
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             block = blocks[block_id]
-            if block.token_ids != chunk or block.parent_hash != parent:
+            if block.contents != contents or block.parent_hash != parent:
                 break  # a hash collision: never share KV computed for other tokens
             hits.append(block)
         return hits
@@ -322,9 +338,9 @@ class BlockManager:
         chunk = seq.token_ids[index * bs : (index + 1) * bs]
         if min(chunk) < 0:
             return False
+        block.contents = contents = array("q", chunk).tobytes()
         block.parent_hash = parent
-        block.hash = h = self.compute_hash(chunk, parent)
-        block.token_ids = chunk
+        block.hash = h = self.hash_contents(contents, parent)
         # Identical contents computed twice (two same prompts admitted together): keep one key.
         self.hash_to_block.setdefault(h, block.block_id)
         return True
