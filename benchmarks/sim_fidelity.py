@@ -18,6 +18,9 @@ capacity nano-sim predicts from the profile.
         --out results/fidelity -- --load-format dummy --skip-tokenizer-init --max-model-len 16384
 
 Everything after ``--`` goes to both ``nano-engine profile`` and ``nano-engine serve``.
+``--repeat N`` serves each scenario N times, each in a fresh server: the error is then against
+the engine's mean, and the table shows how far the engine's own runs lie apart (on a machine
+whose host speed drifts, that spread is the floor under any prediction's error).
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ def capacity(profile: Path, trace: Path, workdir: Path) -> float:
     return saturated["output_tok_per_s"] / offered
 
 
-def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
-    workdir = args.out / name
+def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, overrides) -> dict:
+    """One run of the engine on the scenario: the server with its step log, the trace
+    replayed; the clients' summary (and every request) in ``workdir/engine.json``."""
     workdir.mkdir(parents=True, exist_ok=True)
     requests = scale_arrivals(load_azure_trace(trace), rate)
     options = [*args.engine_args, *overrides]
@@ -112,15 +116,32 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         raise RuntimeError(
             f"{len(run.failures)} requests failed; the first: {run.failures[0].error}"
         )
-    sim = simulate(profile, trace, rate, workdir / "nano-sim.json", overrides)
+    return engine
+
+
+def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
+    """The engine ``--repeat`` times (``OUT/name``, then ``OUT/name-2``...), each in a server
+    of its own, and nano-sim once; the error is against the engine's mean, and ``spread``
+    says how far the engine's own runs lie apart ((max - min) / mean): the noise floor a
+    prediction is judged against."""
+    runs = [
+        serve_scenario(
+            args, args.out / (name if k == 0 else f"{name}-{k + 1}"), name, trace, rate, overrides
+        )
+        for k in range(args.repeat)
+    ]
+    sim = simulate(profile, trace, rate, args.out / name / "nano-sim.json", overrides)
     rows = []
     for key, pct, allowed in METRICS:
-        e, s = value(engine, key, pct), value(sim, key, pct)
+        measured = [value(engine, key, pct) for engine in runs]
+        e, s = sum(measured) / len(measured), value(sim, key, pct)
         error = s / e - 1 if e and not math.isnan(e) and not math.isnan(s) else math.nan
         rows.append(
             {
                 "metric": NAMES.get(key, key.removesuffix("_s")) + (f" {pct}" if pct else ""),
                 "engine": e,
+                "engine_runs": measured,
+                "spread": (max(measured) - min(measured)) / e if e else math.nan,
                 "nano-sim": s,
                 "error": error,
                 "allowed": allowed,
@@ -137,16 +158,20 @@ def fmt(metric: str, v: float) -> str:
 
 
 def table(results: list[dict]) -> str:
+    repeated = any(len(row.get("engine_runs", ())) > 1 for res in results for row in res["rows"])
+    spread = " engine's runs apart |" if repeated else ""
     lines = [
-        "| scenario | metric | engine | nano-sim | error | target |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| scenario | metric | engine |{spread} nano-sim | error | target |",
+        "| --- | --- | --- |" + (" --- |" if repeated else "") + " --- | --- | --- |",
     ]
     for res in results:
         for row in res["rows"]:
             mark = "" if row["met"] else " **missed**"
+            apart = f" {row['spread']:.1%} |" if repeated else ""
             lines.append(
                 f"| {res['scenario']} ({res['rate_scale']:.2f}x) | {row['metric']} | "
-                f"{fmt(row['metric'], row['engine'])} | {fmt(row['metric'], row['nano-sim'])} | "
+                f"{fmt(row['metric'], row['engine'])} |{apart} "
+                f"{fmt(row['metric'], row['nano-sim'])} | "
                 f"{row['error']:+.1%} | {row['allowed']:.0%}{mark} |"
             )
     return "\n".join(lines)
@@ -176,7 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="load,saturated,what-if")
     p.add_argument("--vocab", type=int, default=10_000, help="prompt ids below this")
     p.add_argument("--processes", type=int, default=4, help="client processes")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="serve each scenario this many times (the engine's run-to-run spread)",
+    )
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: must be >= 1, got {args.repeat}")
     args.engine_args = engine_args
     args.out.mkdir(parents=True, exist_ok=True)
     profile = args.profile

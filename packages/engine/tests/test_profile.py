@@ -150,6 +150,8 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         "--max-num-seqs 4 --max-num-batched-tokens 128",
         "--processes",
         "2",
+        "--repeat",
+        "2",
         "--",
         *ENGINE,
         "--skip-tokenizer-init",
@@ -158,15 +160,27 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
     results = json.loads((out / "fidelity.json").read_text())
     assert [r["scenario"] for r in results] == ["load", "saturated", "what-if"]
     for result in results:
+        name = result["scenario"]
         rows = {row["metric"]: row for row in result["rows"]}
         assert set(rows) >= {"output tok/s", "TTFT p50", "TPOT p99", "ITL p50", "e2e p99"}
         assert all(row["engine"] > 0 and row["nano-sim"] > 0 for row in rows.values())
-        engine = json.loads((out / result["scenario"] / "engine.json").read_text())
-        sim = json.loads((out / result["scenario"] / "nano-sim.json").read_text())
-        assert len(engine["requests"]) == len(sim["requests"]) == 30
-        log = read_step_log(out / result["scenario"] / "steps.jsonl")
-        assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
-    assert (out / "fidelity.md").read_text().startswith("| scenario | metric |")
+        sim = json.loads((out / name / "nano-sim.json").read_text())
+        assert len(sim["requests"]) == 30
+        # Each scenario served twice, each run in its own server: the engine's value is their
+        # mean, the spread how far apart they lie.
+        runs = [json.loads((out / d / "engine.json").read_text()) for d in (name, f"{name}-2")]
+        for row, key in ((rows["output tok/s"], "output_tok_per_s"), (rows["TTFT p50"], "ttft_s")):
+            measured = [r["summary"][key] for r in runs]
+            measured = [m if key.startswith("output") else m["p50"] for m in measured]
+            assert row["engine_runs"] == pytest.approx(measured)
+            assert row["engine"] == pytest.approx(sum(measured) / 2)
+            assert row["spread"] == pytest.approx(abs(measured[0] - measured[1]) / row["engine"])
+        for d in (name, f"{name}-2"):
+            log = read_step_log(out / d / "steps.jsonl")
+            assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
+        assert all(len(r["requests"]) == 30 for r in runs)
+    table = (out / "fidelity.md").read_text()
+    assert table.startswith("| scenario | metric | engine | engine's runs apart | nano-sim |")
     assert "metrics outside their targets" in proc.stdout
 
 
