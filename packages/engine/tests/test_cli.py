@@ -92,6 +92,9 @@ def test_bench_with_dummy_weights_and_no_tokenizer(tmp_path):
     assert sum(r.sampled for r in computed) == result["output_tokens"]
     assert all(r.forward > 0 and r.sample_device > 0 and r.host > 0 for r in computed)
     assert all(r.schedule > 0 for r in computed) and log.device["synchronous"]
+    assert all(
+        r.gc is not None and 0 <= r.gc <= r.host + r.forward + r.sample_device for r in computed
+    )
     assert sorted(int(r.id) for r in log.requests) == list(range(16 + 64, 2 * 16 + 64))
     assert all(r.arrival <= r.first_scheduled <= r.finish for r in log.requests)
     assert sum(r.output_tokens for r in log.requests) == result["output_tokens"]

@@ -121,7 +121,7 @@ def test_the_fused_pass_sees_min_tokens_masks_and_penalties(monkeypatch):
     ]
     seqs = [Sequence(0, [1, 2], params[0]), Sequence(1, [1, 2], params[1])]
     seqs[0].stop_token_ids = frozenset({7})
-    seqs[1].token_ids += [7] * 5
+    seqs[1].token_ids.extend([7] * 5)
     for _ in range(20):
         tokens, _ = sampler(logits.clone(), sampler.prepare(seqs))
         assert tokens == [9, 9]

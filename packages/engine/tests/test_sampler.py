@@ -17,7 +17,7 @@ def seqs_for(params: list[SamplingParams], outputs: list[list[int]] | None = Non
     seqs = []
     for i, p in enumerate(params):
         seq = Sequence(i, [1, 2, 3], p)
-        seq.token_ids += outputs[i] if outputs else []
+        seq.token_ids.extend(outputs[i] if outputs else [])
         seq.stop_token_ids = frozenset({7})
         seqs.append(seq)
     return seqs
@@ -181,7 +181,7 @@ def test_fused_rows_only_for_batches_the_fused_pass_draws_alone(monkeypatch):
     masked = Sequence(4, [1, 2], SamplingParams(temperature=0.5, min_tokens=2))
     masked.stop_token_ids = frozenset({7})
     assert sampler.fused_rows([masked]) is None
-    masked.token_ids += [3, 4]  # min_tokens reached: no mask any more
+    masked.token_ids.extend([3, 4])  # min_tokens reached: no mask any more
     assert sampler.fused_rows([masked]) is not None
     monkeypatch.setattr(gumbel, "available", lambda device: False)
     assert Sampler(torch.device("cpu"), VOCAB).fused_rows(plain) is None

@@ -570,3 +570,33 @@ def test_echo_writes_the_prompt_back(server, client):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [echoed.text, echoed.text]
+
+
+def test_a_streaming_prompt_is_held_in_one_list_only(checkpoints):
+    """While a request streams, its token ids are in one Python list (the engine's request, for
+    its outputs): not the parsed JSON body, the validated body (a tuple) or the scheduler's
+    sequence (an int64 array), which Python's cyclic collector would walk item by item on each
+    full collection, for every stream."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from nano_engine import EngineConfig, LLMEngine
+    from nano_engine.server import Server
+
+    engine = LLMEngine(EngineConfig.from_kwargs(checkpoints("qwen3"), max_model_len=512))
+    prompt = [300 + (7 * i) % 97 for i in range(301)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 150, "stream": True}
+    body["ignore_eos"] = True
+    try:
+        client = TestClient(Server(engine, "tiny").app)
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            held = [o for o in gc.get_objects() if type(o) is list and o == prompt]
+            assert engine.num_requests == 1  # (still streaming)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert len(held) == 2  # the engine's, and this test's own
+        assert rest[-1] == "data: [DONE]"
+    finally:
+        engine.shutdown()

@@ -19,7 +19,7 @@ VOCAB = 50
 
 
 def next_token(token_ids: list[int]) -> int:
-    return zlib.crc32(bytes(str(token_ids), "ascii")) % VOCAB
+    return zlib.crc32(bytes(str(list(token_ids)), "ascii")) % VOCAB
 
 
 def make(num_blocks: int = 64, block_size: int = 4, clock=None, **config) -> Scheduler:

@@ -237,6 +237,8 @@ class LLMEngine:
         """Start a step log: every iteration of the loop and every request from now on, in
         memory or written to ``path`` (JSON lines, every few seconds and at shutdown);
         ``watch``: a thread whose CPU time to record too (the server's event loop)."""
+        if self.recorder is not None:
+            self.recorder.close()
         self.recorder = StepRecorder(self.runner.device, path, watch)
         return self.recorder
 
@@ -244,7 +246,7 @@ class LLMEngine:
         """End the step log (written out, if to a file); returns it."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
-            recorder.flush()
+            recorder.close()
         return recorder
 
     @property
@@ -350,7 +352,12 @@ class LLMEngine:
         finishes the step in flight. ``clock`` times each phase (the step log's record)."""
         recorder = self.recorder
         watch = recorder.watch if recorder is not None else None
-        clock = Phases(self.runner.synchronous, cpu=recorder is not None, watch=watch)
+        clock = Phases(
+            self.runner.synchronous,
+            cpu=recorder is not None,
+            watch=watch,
+            collector=recorder.collector if recorder is not None else None,
+        )
         previous, self._in_flight = self._in_flight, None
         out = SchedulerOutput()
         if schedule and self.scheduler.has_unfinished():

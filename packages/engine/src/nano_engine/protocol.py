@@ -326,18 +326,16 @@ _GUIDED = {
 class CompletionRequest(_Sampling):
     unsupported = {**UNSUPPORTED, "add_special_tokens": (None, True)}
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # (token ids as tuples: a server holds each prompt for its request's life, and Python's
+    # cyclic collector walks every item of a list on each full run, not a tuple of ints)
+    prompt: str | list[str] | tuple[int, ...] | list[tuple[int, ...]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str | tuple[int, ...]]:
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [p]
-        return list(p)
+        return [p] if isinstance(p, (str, tuple)) else list(p)
 
 
 class ContentPart(_Body):

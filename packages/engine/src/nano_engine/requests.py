@@ -49,11 +49,11 @@ class Request:
     def banned(self, seq: Sequence) -> list[int]:
         """The tokens ``seq`` may not take next: the last of each bad word whose other tokens
         end its output (as vLLM has it)."""
-        out = seq.output_token_ids
+        tokens, outputs = seq.token_ids, seq.num_output_tokens
         banned = []
         for word in self.bad_words or ():
             head = word[:-1]
-            if not head or (len(out) >= len(head) and tuple(out[len(out) - len(head) :]) == head):
+            if not head or (outputs >= len(head) and tuple(tokens[-len(head) :]) == head):
                 banned.append(word[-1])
         return banned
 
@@ -118,7 +118,7 @@ class Request:
             seq, detok = self.seqs[i], self.detokenizers[i]
             done = seq.is_finished
             # (a slice of the new tokens only: output_token_ids would copy every output token)
-            new_ids = seq.token_ids[seq.num_prompt_tokens + self.sent_tokens[i] :]
+            new_ids = seq.token_ids[seq.num_prompt_tokens + self.sent_tokens[i] :].tolist()
             new_logprobs = (
                 self.logprobs[i][self.sent_tokens[i] :]
                 if self.params.logprobs is not None

@@ -12,6 +12,7 @@ shutdown, so a long run holds only the last few seconds in memory.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -32,6 +33,28 @@ _FLUSH_EVERY = 2.0  # seconds between writes to the file
 _HOST = HOST_PHASES
 
 
+class CollectorClock:
+    """The seconds Python's cyclic garbage collector has run since ``start`` (in any thread:
+    a collection holds the GIL, so it stalls them all), through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 class Phases:
     """Times one iteration of the loop by phase: ``mark(phase)`` adds the seconds since the
     previous mark to ``phase``. On a synchronous device a call computes before it returns:
@@ -40,7 +63,11 @@ class Phases:
     it waited for the GIL, held by the server's event loop, say)."""
 
     def __init__(
-        self, synchronous: bool, cpu: bool = False, watch: tuple[int, float] | None = None
+        self,
+        synchronous: bool,
+        cpu: bool = False,
+        watch: tuple[int, float] | None = None,
+        collector: CollectorClock | None = None,
     ) -> None:
         self.synchronous = synchronous
         self.seconds = dict.fromkeys((*_HOST, "wait", "forward", "sample_device"), 0.0)
@@ -52,6 +79,8 @@ class Phases:
         # another thread's CPU clock (the server's event loop), and its reading at the log's start
         self._watch, self._watch_origin = watch or (None, 0.0)
         self._watch_start = time.clock_gettime(self._watch) if watch is not None else 0.0
+        self._collector = collector
+        self._gc_start = collector.seconds if collector is not None else 0.0
 
     def mark(self, phase: str, device: str | None = None) -> None:
         now = time.perf_counter()
@@ -85,6 +114,8 @@ class Phases:
         )
         if self.cpu is not None:
             record.cpu = [self.cpu[phase] for phase in _HOST]
+        if self._collector is not None:
+            record.gc = self._collector.seconds - self._gc_start
         if self._watch is not None:
             record.server_cpu = time.clock_gettime(self._watch) - self._watch_start
             record.server_cpu_at = self._watch_start - self._watch_origin
@@ -182,6 +213,8 @@ class StepRecorder:
             clock = time.pthread_getcpuclockid(watch.ident)
             self.watch = (clock, time.clock_gettime(clock))
         self.cuda = device.type == "cuda"
+        self.collector = CollectorClock()
+        self.collector.start()
         self.path = Path(path) if path is not None else None
         self.steps: list[StepRecord] = []
         self.requests: list[RequestTiming] = []
@@ -243,6 +276,11 @@ class StepRecorder:
             self.requests.append(self._open.pop(request_id))
 
     # ---- output ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Write out what is left and stop timing the collector."""
+        self.collector.stop()
+        self.flush()
 
     def flush(self) -> None:
         """Write what was recorded since the last flush (and forget it)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import MutableSequence
 from typing import NamedTuple, Protocol
 
 import xxhash
@@ -31,7 +32,7 @@ _MASK = (1 << 128) - 1
 class KVSequence(Protocol):
     """What the block manager needs from a sequence (a scheduler's or a simulator's request)."""
 
-    token_ids: list[int]
+    token_ids: MutableSequence[int]  # (a list, or an int64 array as the scheduler's are)
     block_table: list[int]
     num_cached_tokens: int
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from enum import Enum
 
 from nano_scheduler.sampling_params import SamplingParams
@@ -28,7 +29,10 @@ class FinishReason(str, Enum):
 class Sequence:
     """A request moving WAITING -> RUNNING -> FINISHED (back to WAITING when preempted).
 
-    ``token_ids`` holds the prompt followed by the output. ``num_computed_tokens`` counts the
+    ``token_ids`` holds the prompt followed by the output, as an int64 ``array`` (not a list: a
+    list's items are walked by every full run of Python's cyclic collector, and a server holds
+    hundreds of sequences of thousands of tokens; an array holds no Python objects, and its
+    slices are block-hash bytes at once). ``num_computed_tokens`` counts the
     tokens whose KV is in the cache (prefix-cache hits included); the tokens after it are
     computed by the next steps, a chunk at a time. Times are seconds on the scheduler's clock.
     A pickled copy of a decoding sequence (what a worker process receives) has ``token_ids``
@@ -43,7 +47,7 @@ class Sequence:
         arrival_time: float = 0.0,
     ) -> None:
         self.seq_id = seq_id
-        self.token_ids: list[int] | None = list(prompt_token_ids)
+        self.token_ids: array | None = _token_array(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params if params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
@@ -86,11 +90,11 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens].tolist()
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def last_token_id(self) -> int:
@@ -109,3 +113,12 @@ class Sequence:
             state["_last_token"] = self.token_ids[-1]
             state["token_ids"] = None
         return state
+
+
+def _token_array(token_ids) -> array | list:
+    """The ids as an int64 array; as a list where one is not an int64 (the scheduler refuses
+    the sequence, naming it)."""
+    try:
+        return array("q", token_ids)
+    except (TypeError, OverflowError):
+        return list(token_ids)

@@ -139,7 +139,7 @@ def measure_sampling(engine, rows: list[int], clock: DeviceClock, progress) -> d
             seqs = []
             for i in range(n):
                 seq = Sequence(i, [1 + (i + j) % 100 for j in range(16)], params)
-                seq.token_ids += [2 + (i + j) % 50 for j in range(8)]  # outputs: penalties
+                seq.token_ids.extend(2 + (i + j) % 50 for j in range(8))  # outputs: penalties
                 seqs.append(seq)
             logits = torch.randn(n, vocab, device=runner.device).to(runner.dtype)
             batch = sampler.prepare(seqs)

@@ -78,7 +78,9 @@ class StepRecord:
     measured when it resolves (None until then, or where not measured). ``cpu``: the loop
     thread's CPU seconds in each host phase (the wall time less waits for the GIL);
     ``server_cpu``: the CPU seconds of the server's event loop thread during the iteration,
-    ``server_cpu_at``: since the log began, when the iteration began.
+    ``server_cpu_at``: since the log began, when the iteration began. ``gc``: seconds of
+    Python's cyclic garbage collector during the iteration, in any thread (a collection
+    holds the GIL: every thread waits for it).
     """
 
     t: float  # start of the iteration (time.monotonic)
@@ -104,6 +106,7 @@ class StepRecord:
     cpu: list[float] | None = None  # the loop thread's CPU seconds of the five host phases
     server_cpu: float | None = None  # the server's event loop thread's, meanwhile
     server_cpu_at: float | None = None  # its CPU seconds since the log began, at ``t``
+    gc: float | None = None  # the garbage collector's seconds in the iteration
 
     @property
     def host(self) -> float:
@@ -152,7 +155,7 @@ class StepRecord:
         rec.eager = _bool(data, "eager", where, False)
         for name in (*HOST_PHASES, "wait"):
             setattr(rec, name, _number(data, name, where, 0.0, low=0.0))
-        for name in ("forward", "sample_device", "server_cpu", "server_cpu_at"):
+        for name in ("forward", "sample_device", "server_cpu", "server_cpu_at", "gc"):
             if data.get(name) is not None:
                 setattr(rec, name, _number(data, name, where, low=0.0))
         if data.get("cpu") is not None:
