@@ -29,6 +29,14 @@ _NO_HASH = -1
 _MASK = (1 << 128) - 1
 
 
+def _int64_bytes(token_ids) -> bytes:
+    """Token ids as int64 bytes: at once from an int64 array (a scheduler's sequence holds
+    one), converted from anything else."""
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids.tobytes()
+    return array("q", token_ids).tobytes()
+
+
 class KVSequence(Protocol):
     """What the block manager needs from a sequence (a scheduler's or a simulator's request)."""
 
@@ -148,7 +156,7 @@ class BlockManager:
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix_hash: int = _NO_HASH) -> int:
         """A block's hash from its token ids."""
-        return cls.hash_contents(array("q", token_ids).tobytes(), prefix_hash)
+        return cls.hash_contents(_int64_bytes(token_ids), prefix_hash)
 
     def _cached_prefix(self, seq: KVSequence) -> list[Block]:
         """The longest run of registered full blocks matching seq's prefix (last token excluded);
@@ -159,7 +167,7 @@ class BlockManager:
         hits: list[Block] = []
         h = _NO_HASH
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            contents = array("q", token_ids[start : start + bs]).tobytes()
+            contents = _int64_bytes(token_ids[start : start + bs])
             parent, h = h, self.hash_contents(contents, h)
             block_id = self.hash_to_block.get(h)
             if block_id is None:
@@ -339,7 +347,7 @@ class BlockManager:
         chunk = seq.token_ids[index * bs : (index + 1) * bs]
         if min(chunk) < 0:
             return False
-        block.contents = contents = array("q", chunk).tobytes()
+        block.contents = contents = _int64_bytes(chunk)
         block.parent_hash = parent
         block.hash = h = self.hash_contents(contents, parent)
         # Identical contents computed twice (two same prompts admitted together): keep one key.
