@@ -116,7 +116,8 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
             mixed = [work.mixed(0.4 * work.served, count), work.mixed(2 * work.served, count, 1024)]
             one = [Request(0.0, min(128, work.longest), 8)]
             workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
-            replays, spans = [], []  # spans: [start, end (monotonic), requests, prompt tokens]
+            # spans: [start, end (monotonic), requests, prompt tokens, seconds they were sent over]
+            replays, spans = [], []
             with client_pool(4) as clients:
                 for requests in workloads:
                     ids = replace(target, request_ids=f"profile{len(replays)}")
@@ -124,7 +125,8 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
                     start = time.monotonic()
                     replays.append(replay(ids, requests, processes, pool=clients))
                     prompt = sum(r.prompt_tokens for r in replays[-1].records)
-                    spans.append([start, time.monotonic(), len(requests), prompt])
+                    sent_over = requests[-1].arrival_time - requests[0].arrival_time
+                    spans.append([start, time.monotonic(), len(requests), prompt, sent_over])
                     progress(len(replays), len(workloads))
         log = read_step_log(step_log)
     failed = [r.error for run in replays for r in run.failures]
@@ -139,14 +141,14 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
 
 def _workload_cpu(steps: list[StepRecord], spans: list[list[float]]) -> list[list[float]]:
     """Each workload as [first step, end step, requests, prompt tokens, the event loop's CPU
-    seconds from its first iteration to the next workload's]: requests are taken in between
-    iterations too."""
+    seconds from its first iteration to the next workload's (requests are taken in between
+    iterations too), the seconds its requests were sent over (0: all at once)]."""
     starts = [
         next((i for i, r in enumerate(steps) if r.t >= start), len(steps)) for start, *_ in spans
     ]
     ends = [*starts[1:], len(steps)]
     out = []
-    for first, end, (_, _, requests, prompt) in zip(starts, ends, spans):
+    for first, end, (_, _, requests, prompt, sent_over) in zip(starts, ends, spans):
         if first >= end or steps[first].server_cpu_at is None:
             continue
         last = steps[end - 1]
@@ -155,7 +157,7 @@ def _workload_cpu(steps: list[StepRecord], spans: list[list[float]]) -> list[lis
             if end < len(steps)
             else last.server_cpu_at + (last.server_cpu or 0.0)
         ) - steps[first].server_cpu_at
-        out.append([first, end, requests, prompt, cpu])
+        out.append([first, end, requests, prompt, cpu, sent_over])
     return out
 
 

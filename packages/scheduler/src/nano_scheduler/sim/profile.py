@@ -273,8 +273,9 @@ class Profile:
     # ingress: [[prompt tokens, seconds], ...] (sent -> accepted); egress: [[outputs published
     # with it, seconds], ...] (first token published -> received); workloads: [[first step,
     # end step (of host["server"]), requests, prompt tokens, the event loop thread's CPU
-    # seconds], ...]; first_request_s: the first request's extra time. (The event loop's CPU
-    # time during each iteration is in the server's step records.)
+    # seconds, the seconds its requests were sent over (0: at once; older profiles lack it)],
+    # ...]; first_request_s: the first request's extra time. (The event loop's CPU time during
+    # each iteration is in the server's step records.)
     server: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)  # model name, date, version, command
 
@@ -384,11 +385,13 @@ class Profile:
         if not host:
             raise ValueError("host is empty: no step of the loop was measured")
         server = _dict(data, "server", "profile")
-        for name, width in (("ingress", 2), ("egress", 2), ("workloads", 5)):
+        # (a workload's sixth number, the seconds its requests were sent over, is newer)
+        for name, widths in (("ingress", (2,)), ("egress", (2,)), ("workloads", (5, 6))):
             for i, p in enumerate(_list(server, name, "server", [])):
-                if not isinstance(p, list) or len(p) != width:
-                    raise ValueError(f"server.{name}[{i}] must be a list of {width} numbers")
-                for j in range(width):
+                if not isinstance(p, list) or len(p) not in widths:
+                    count = " or ".join(map(str, widths))
+                    raise ValueError(f"server.{name}[{i}] must be a list of {count} numbers")
+                for j in range(len(p)):
                     _number(p, j, f"server.{name}[{i}]", low=0.0)
         if server.get("first_request_s") is not None:
             _number(server, "first_request_s", "server", low=0.0)

@@ -262,8 +262,10 @@ class HostModel:
     """The loop's host time per phase, each a non-negative linear fit over step records. The
     launch is fitted apart for CUDA-graph steps (a replay) and eager ones (every kernel of the
     model launched, tens of milliseconds on a GPU, and varying widely from step to step: an
-    eager launch takes its fit times a ratio drawn from those measured, so the simulation
-    sees the spread too, not only the mean)."""
+    eager launch takes its fit times a ratio drawn from those measured, scaled to a mean of 1,
+    so the simulation sees the spread too, around the fit. Unscaled, the ratios' mean was
+    1.12 on an H200: a tail of slow launches under the profile's bursts of requests, which
+    put nano-sim's eager launches 15-20% above what trace replays measured)."""
 
     def __init__(self, records: list[StepRecord], block_size: int, cpu: bool = False) -> None:
         """``cpu``: fit the loop thread's CPU seconds (where measured), not the wall time."""
@@ -283,6 +285,8 @@ class HostModel:
             fitted = [self._dot(self.launch_eager, self._launch_features(r)) for r in eager]
             measured = [self._time(r, 1) for r in eager]
             self._spread = [m / f for m, f in zip(measured, fitted) if f > 0] or [1.0]
+            mean = sum(self._spread) / len(self._spread)
+            self._spread = [x / mean for x in self._spread]
         self._rng = random.Random(0)
         # The sampler's host work: next to nothing after a graph that drew the tokens itself,
         # its whole launch after an eager step: fitted apart, as the launch is.
@@ -362,9 +366,14 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     """The server's event-loop costs, from its thread's CPU time in the engine's step log. A
     pass over the streams follows each publication of outputs: its cost by the number of
     streams is the mean over iterations that took no request in, in bins of the number, made
-    non-decreasing (it grows faster than linearly: caches). A request's handling: fitted to what
-    the passes leave of the event loop's CPU time over each whole workload of the profile
-    (requests are taken in between iterations too), the first (a cold start) left out."""
+    non-decreasing (it grows faster than linearly: caches). A request's handling: its cost per
+    request and per prompt token, fitted to what the passes leave of the event loop's CPU time
+    from each iteration to the next, by the requests (and their prompt tokens) accepted in it,
+    over the workloads whose requests were sent one by one over time, as a trace sends them:
+    a burst sent at once costs far less per request (measured: 0.4 against 1.4 ms a request,
+    the same 1.6 us a token; one wake-up of the event loop serves many), and nano-sim's
+    traces arrive as a process in time. (A profile whose workloads do not say how they were
+    sent: all of them but the first, a cold start.)"""
     if not any(r.server_cpu_at is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
@@ -385,15 +394,27 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     if not points:
         raise ValueError("the profile's server measurements hold no pass over the streams")
     passes = Piecewise(increasing(points))
-    rows, residual = [], []
-    for first, end, requests, prompt, cpu in server.get("workloads", [])[1:]:
-        first, end = int(first), min(int(end), len(records))
-        published = [r.outputs for r in records[first:end] if r.outputs]
-        rows.append([requests, prompt])
-        residual.append(cpu - sum(passes(n) for n in published))
-    request, prompt_token = nnls(rows, residual) if rows else (0.0, 0.0)
+    request, prompt_token = _request_costs(records, server.get("workloads", []), passes)
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
     latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
     points = tuple(zip(passes.xs, passes.ys))
     return ServerCosts(request, prompt_token, points, latency, first)
+
+
+def _request_costs(records: list[StepRecord], workloads: list, passes) -> tuple[float, float]:
+    """(seconds per request, per prompt token) of the event loop's handling of a request."""
+    spread = [w for w in workloads if len(w) > 5 and w[5] > 0]
+    rows, residual = [], []
+    for first, end, *_ in spread or workloads[1:]:
+        first, end = int(first), min(int(end), len(records) - 1)
+        for a, b in pairwise(records[first : end + 1]):
+            if a.server_cpu_at is None or b.server_cpu_at is None:
+                continue
+            cpu = b.server_cpu_at - a.server_cpu_at - (passes(a.outputs) if a.outputs else 0.0)
+            rows.append([b.accepted, b.accepted_tokens or 0])
+            residual.append(cpu)
+    if not any(accepted for accepted, _ in rows):
+        return 0.0, 0.0
+    request, prompt_token = nnls(rows, residual)
+    return request, prompt_token
