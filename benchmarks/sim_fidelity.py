@@ -37,6 +37,8 @@ from nano_engine.replay import ServedEngine, Target, replay
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
 from nano_scheduler.sim.cli import main as nano_sim
 from nano_scheduler.sim.metrics import nan_to_none, summarize
+from nano_scheduler.sim.profile import Profile, read_step_log
+from nano_scheduler.sim.profiled import ProfiledCostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "traces" / "azure_llm_2023_conv.csv"
@@ -131,6 +133,10 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         for k in range(args.repeat)
     ]
     sim = simulate(profile, trace, rate, args.out / name / "nano-sim.json", overrides)
+    speeds = [
+        host_ratio(profile, args.out / (name if k == 0 else f"{name}-{k + 1}") / "steps.jsonl")
+        for k in range(args.repeat)
+    ]
     rows = []
     for key, pct, allowed in METRICS:
         measured = [value(engine, key, pct) for engine in runs]
@@ -148,7 +154,38 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
                 "met": abs(error) <= allowed,
             }
         )
-    return {"scenario": name, "rate_scale": rate, "overrides": overrides, "rows": rows}
+    return {
+        "scenario": name,
+        "rate_scale": rate,
+        "overrides": overrides,
+        "rows": rows,
+        "host_ratio": speeds,
+    }
+
+
+def host_ratio(profile: Path, step_log: Path) -> float:
+    """The server loop thread's host time in a run over what the profile predicts for the same
+    steps: far from 1, the machine's host speed changed since it was profiled (a CPU that
+    slows down, another machine), and no prediction from that profile can match the run."""
+    model = ProfiledCostModel(Profile.load(profile), frontend="server")
+    return model.host_ratio(read_step_log(step_log).steps)
+
+
+def host_note(results: list[dict]) -> str:
+    """One line: each run's host ratio, and a warning where one lies outside 0.85-1.15."""
+    ratios = [(r["scenario"], x) for r in results for x in r.get("host_ratio", [])]
+    if not ratios:
+        return ""
+    text = ", ".join(f"{name} {x:.2f}" for name, x in ratios)
+    note = f"The loop thread's host time against the profile's prediction for its steps: {text}."
+    off = [x for _, x in ratios if not 0.85 <= x <= 1.15]
+    if off:
+        note += (
+            " **Warning**: the host ran at another speed than when profiled"
+            f" ({min(off):.2f}-{max(off):.2f}x its time); these errors measure the machine's"
+            " drift as much as nano-sim."
+        )
+    return note
 
 
 def fmt(metric: str, v: float) -> str:
@@ -245,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = args.what_if.split() if name == "what-if" else []
         print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
         results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
-        print(table(results[-1:]), flush=True)
-    text = table(results)
+        print(table(results[-1:]) + "\n\n" + host_note(results[-1:]), flush=True)
+    text = table(results) + "\n\n" + host_note(results)
     (args.out / "fidelity.md").write_text(text + "\n")
     (args.out / "fidelity.json").write_text(json.dumps(nan_to_none(results), indent=2))
     print("\n" + text)

@@ -179,6 +179,10 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
             log = read_step_log(out / d / "steps.jsonl")
             assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
         assert all(len(r["requests"]) == 30 for r in runs)
+        # Each run's host speed against the profile's (the CPU machine's is near 1, not far).
+        assert len(result["host_ratio"]) == 2
+        assert all(0.2 < x < 5 for x in result["host_ratio"])
+    assert "host time against the profile's prediction" in (out / "fidelity.md").read_text()
     table = (out / "fidelity.md").read_text()
     assert table.startswith("| scenario | metric | engine | engine's runs apart | nano-sim |")
     assert "metrics outside their targets" in proc.stdout

@@ -5,6 +5,7 @@ simulated loop's order (a request that arrives while a step runs)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -451,3 +452,18 @@ def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     data["checksum"] = _checksum(data)
     profile_file.write_text(json.dumps(data))
     assert Profile.load(profile_file).server["workloads"][1] == [40, 90, 30, 9000, 0.5]
+
+
+def test_the_host_ratio_of_a_step_log_says_how_fast_its_host_ran():
+    """1 on steps like the profile's; 2 where each phase took twice as long."""
+    from dataclasses import replace
+
+    from nano_scheduler.sim.profile import HOST_PHASES
+
+    model = ProfiledCostModel(synthetic_profile(), frontend="offline")
+    rng = random.Random(11)
+    steps = [host_record(rng, 0.01 * i) for i in range(300)]
+    assert model.host_ratio(steps) == pytest.approx(1.0, rel=0.05)
+    slow = [replace(r, **{p: 2 * getattr(r, p) for p in HOST_PHASES}) for r in steps]
+    assert model.host_ratio(slow) == pytest.approx(2.0, rel=0.05)
+    assert math.isnan(model.host_ratio([]))

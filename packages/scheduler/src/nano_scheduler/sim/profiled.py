@@ -136,6 +136,24 @@ class ProfiledCostModel:
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         return self._host.resolve(resolved, finished, outputs)
 
+    def host_ratio(self, records: list[StepRecord]) -> float:
+        """The loop thread's host time in a step log over what this model predicts for the
+        same steps (1: the host ran as fast as when it was profiled; 2: half as fast, e.g.
+        a machine whose CPUs slowed down since, or another host). nan: no step to compare."""
+        measured = predicted = 0.0
+        for r in records:
+            if not r.num_tokens or (self._host.cpu and r.cpu is None):
+                continue
+            shape = BatchShape.of_record(r)
+            drawn = not r.eager and self.sampling in GRAPH_DRAWN
+            schedule, launch, sample = self._host.step(shape, r.eager, drawn)
+            post, publish = self._host.resolve(r.resolved, r.finished, r.outputs)
+            predicted += schedule + launch + sample + post + publish
+            measured += (
+                sum(r.cpu) if self._host.cpu else sum(getattr(r, phase) for phase in HOST_PHASES)
+            )
+        return measured / predicted if predicted > 0 else math.nan
+
     def _check(self, what: str, value: float, limit: float) -> None:
         if value > _FAR * limit and what not in self._warned:
             self._warned.add(what)
