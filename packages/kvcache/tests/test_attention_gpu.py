@@ -212,14 +212,26 @@ def fp8_caches(num_blocks, kv_heads, block_size, head_dim, g, scales):
     return out
 
 
+# (q's dtype, fp16_dots): under a bf16 q the kernel computes in fp16 or in bf16. (Triton 3.6's
+# interpreter multiplies bf16 tensors as their bits, uint16: bf16 dots only on GPUs.)
+FP8_DECODE_DOTS = [
+    pytest.param(torch.float16, True, id="fp16"),
+    pytest.param(torch.bfloat16, True, id="bf16-fp16-dots"),
+]
+if not INTERPRET:
+    FP8_DECODE_DOTS.append(pytest.param(torch.bfloat16, False, id="bf16-bf16-dots"))
+
+
+@pytest.mark.parametrize("dtype,fp16_dots", FP8_DECODE_DOTS)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.05)])
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES[:3])
-def test_paged_decode_over_an_fp8_cache(block_size, heads, kv_heads, head_dim, lens, scales):
+def test_paged_decode_over_an_fp8_cache(
+    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots
+):
     """Each value read as it is stored, times its scale: the float64 attention over the
-    dequantized cache (the kernel computes in q's dtype)."""
+    dequantized cache (the kernel computes in fp16 or q's dtype)."""
     from nano_kvcache.attention import paged_decode
 
-    dtype = DTYPES[-1]
     rng = random.Random(block_size)
     g = torch.Generator(device=DEVICE).manual_seed(7)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
@@ -242,6 +254,7 @@ def test_paged_decode_over_an_fp8_cache(block_size, heads, kv_heads, head_dim, l
             num_splits=splits,
             k_scale=scales[0],
             v_scale=scales[1],
+            fp16_dots=fp16_dots,
         )
         check(out, ref, dtype)
 

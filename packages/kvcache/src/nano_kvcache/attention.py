@@ -224,6 +224,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     # One grid axis with the sequence slowest: the programs of a sequence (its kv heads and
     # splits) start together and read neighbouring memory (a block holds every kv head).
@@ -248,6 +249,14 @@ def _decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if F16_DOTS:
+        # An FP8 cache under a bf16 q: both dots in fp16 (fp32 accumulators), where e4m3
+        # converts in one instruction per two values (cvt.rn.f16x2.e4m3x2; to bf16, Hopper
+        # adds one per value). No range is lost: e4m3 values (2^-9 to 448) are exact in fp16;
+        # so is a bf16 q from 2^-14 to 65504, and a q-normed head's values are at most
+        # sqrt(head_dim) times the norm's weight (parts below 2^-14 move by at most 2^-25);
+        # P, in [0, 1], keeps 11 bits instead of 8.
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -372,6 +381,7 @@ def paged_decode(
     order: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp16_dots: bool = True,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -379,7 +389,9 @@ def paged_decode(
     FP8 (e4m3) holding K / k_scale and V / v_scale; block_tables int32 [B, max_blocks]; seq_lens
     int32 [B] (the context, this token included). order, optional: int32 [B], a permutation of
     range(B), the order in which the programs take the sequences (longest first balances
-    them). Returns [B, heads, head_dim] in q's dtype.
+    them). ``fp16_dots``: over an FP8 cache with a bf16 q, compute in fp16 (on Hopper e4m3
+    converts to fp16 in one instruction per two values, to bf16 in one more per value); False
+    computes in bf16. Returns [B, heads, head_dim] in q's dtype.
     """
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -434,6 +446,7 @@ def paged_decode(
         NUM_SPLITS=splits,
         ORDERED=order is not None,
         PRECISION=_precision(q),
+        F16_DOTS=fp16_dots and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=4,
         num_stages=2,
     )
