@@ -387,11 +387,12 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     non-decreasing (it grows faster than linearly: caches). A request's handling: its cost per
     request and per prompt token, fitted to what the passes leave of the event loop's CPU time
     from each iteration to the next, by the requests (and their prompt tokens) accepted in it,
-    over the workloads whose requests were sent one by one over time, as a trace sends them:
-    a burst sent at once costs far less per request (measured: 0.4 against 1.4 ms a request,
-    the same 1.6 us a token; one wake-up of the event loop serves many), and nano-sim's
-    traces arrive as a process in time. (A profile whose workloads do not say how they were
-    sent: all of them but the first, a cold start.)"""
+    over the workloads whose requests were sent one by one over time, as a trace sends them.
+    A burst sent at once costs less a request (one wake-up of the event loop serves many),
+    and mixed in, it made the fit put everything on the tokens: 0 ms + 3.0-3.9 us a token on
+    an H200, where the spread-out requests measure 1.1-1.4 ms + 1.2-1.7 us, as replayed
+    traces do. (A profile whose workloads do not say how they were sent: all of them but the
+    first, a cold start.)"""
     if not any(r.server_cpu_at is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
