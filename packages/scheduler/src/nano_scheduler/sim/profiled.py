@@ -146,7 +146,7 @@ class ProfiledCostModel:
                 continue
             shape = BatchShape.of_record(r)
             drawn = not r.eager and self.sampling in GRAPH_DRAWN
-            schedule, launch, sample = self._host.step(shape, r.eager, drawn)
+            schedule, launch, sample = self._host.step(shape, r.eager, drawn, spread=False)
             post, publish = self._host.resolve(r.resolved, r.finished, r.outputs)
             predicted += schedule + launch + sample + post + publish
             measured += (
@@ -347,7 +347,9 @@ class HostModel:
     def _post_features(r: StepRecord) -> list[float]:
         return [1.0, r.resolved, r.finished, r.outputs]
 
-    def step(self, batch: BatchShape, eager: bool, drawn: bool) -> tuple[float, float, float]:
+    def step(
+        self, batch: BatchShape, eager: bool, drawn: bool, spread: bool = True
+    ) -> tuple[float, float, float]:
         """The step's host phases: scheduling, launch (of a graph or eager) and the sampler's
         (next to nothing where the graph drew the tokens, its whole launch otherwise)."""
         n_dec = len(batch.decodes)
@@ -368,7 +370,7 @@ class HostModel:
         coef = self.launch_eager if eager else self.launch_graph
         coef = coef or self.launch_eager or self.launch_graph  # (a regime never measured)
         launch = self._dot(coef, row)
-        if eager:
+        if eager and spread:  # (without: the fit, the draws' mean)
             launch *= self._rng.choice(self._spread)
         s = self.sample_graph if drawn else self.sample_eager
         s = s or self.sample_eager or self.sample_graph
