@@ -8,8 +8,11 @@ bytes (a device-to-device copy measured here), the fused layer's time replayed i
 (router, routing and experts, as a decode step runs it; at most ``ONE_PROGRAM_PAIRS`` pairs the
 routing and alignment are one program), the torch path's time (eager), and the routing with the
 pairs' alignment, and the alignment alone, in torch's ops and in one Triton program (in graphs).
+Up to 16 tokens also the two ways apart: the grouped GEMMs (``moe_triton``) and the products row
+by row (``moe_rows``, which ``routed_moe`` takes up to ``ROWS_TOKENS`` tokens).
 
     python benchmarks/bench_moe.py [--batch 1 32 256] [--json out.json]
+    python benchmarks/bench_moe.py --sweep-rows [--batch 1 4]   # moe_rows' tiles, each launch
 """
 
 from __future__ import annotations
@@ -22,7 +25,23 @@ from graph_timing import replayed_us
 from triton.testing import do_bench
 
 from nano_models.layers.moe import moe_torch, route
-from nano_models.layers.moe_triton import align_torch, align_triton, route_align_triton, routed_moe
+from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
+from nano_models.layers.moe_triton import (
+    _tiles,
+    align_torch,
+    align_triton,
+    route_align_triton,
+    route_triton,
+    routed_moe,
+)
+
+ROWS_CANDIDATES = [
+    (n, k, w)
+    for n in (2, 4, 8, 16)
+    for k in (128, 256, 512, 1024, 2048)
+    for w in (4, 8)
+    if 1024 <= n * k <= 16384
+]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -53,6 +72,17 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
     )
     copy_us = nbytes / bandwidth * 1e6
+    both = {}
+    if batch <= 16:  # (the two ways apart)
+        tiles = _tiles(x, w13, top_k)
+        both = {
+            "grouped_us": replayed_us(
+                lambda: routed_moe(x, x @ router, w13, w2, top_k, True, tiles), rep=200
+            ),
+            "rows_us": replayed_us(
+                lambda: routed_moe_rows(x, x @ router, w13, w2, top_k, True), rep=200
+            ),
+        }
     # The routing and the pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS
     # picks between them), and the alignment alone.
     logits = x @ router
@@ -61,6 +91,7 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         "route_align_triton": lambda: route_align_triton(logits, top_k, True, dtype, 16),
         "align_torch": lambda: align_torch(ids, experts, 16),
         "align_triton": lambda: align_triton(ids, experts, 16),
+        "route_triton": lambda: route_triton(logits, top_k, True, dtype),
     }
     align_us = {name: replayed_us(fn) for name, fn in ways.items()}
     return {
@@ -73,6 +104,39 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         "fused_vs_copy": copy_us / fused_us,
         "torch_us": torch_ms * 1e3,
         **{f"{name}_us": us for name, us in align_us.items()},
+        **both,
+    }
+
+
+def sweep_rows(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype) -> dict:
+    """``moe_rows``' two launches over ``ROWS_CANDIDATES`` (BLOCK_N, BLOCK_K, num_warps): the
+    gate/up launch's tiles under the default down tile, then the down launch's under the best
+    gate/up tile; microseconds of the whole (routing given), replayed in a CUDA graph."""
+    from nano_models.layers.moe_rows import DOWN_TILE
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / 30).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / 30).to(dtype)
+    weights, ids = route(
+        torch.randn(batch, experts, device="cuda", generator=g), top_k, True, dtype
+    )
+    ids = ids.int()
+
+    def timed(up, down) -> float:
+        return replayed_us(lambda: moe_rows(x, w13, w2, weights, ids, up, down), 5, 20)
+
+    up = {tile: timed(tile, DOWN_TILE) for tile in ROWS_CANDIDATES}
+    best_up = min(up, key=up.get)
+    down = {tile: timed(best_up, tile) for tile in ROWS_CANDIDATES}
+    best_down = min(down, key=down.get)
+    return {
+        "batch": batch,
+        "up": best_up,
+        "down": best_down,
+        "us": down[best_down],
+        "up_us": {str(k): v for k, v in up.items()},
+        "down_us": {str(k): v for k, v in down.items()},
     }
 
 
@@ -84,7 +148,24 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--json")
+    p.add_argument("--sweep-rows", action="store_true", help="moe_rows' tiles at each batch")
     args = p.parse_args()
+    if args.sweep_rows:
+        sweeps = []
+        for batch in args.batch:
+            res = sweep_rows(
+                batch, args.experts, args.intermediate, args.hidden, args.top_k, torch.bfloat16
+            )
+            sweeps.append(res)
+            ranked = sorted(res["up_us"].items(), key=lambda kv: kv[1])[:5]
+            print(f"batch {batch}: up {res['up']} down {res['down']}: {res['us']:.1f} us")
+            print("   fastest gate/up tiles:", ", ".join(f"{k} {v:.1f}" for k, v in ranked))
+            ranked = sorted(res["down_us"].items(), key=lambda kv: kv[1])[:5]
+            print("   fastest down tiles:", ", ".join(f"{k} {v:.1f}" for k, v in ranked))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(sweeps, f, indent=2)
+        return
     bandwidth = copy_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     print(
@@ -110,6 +191,12 @@ def main() -> None:
             f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f} "
             f"{row['route_align_torch_us']:>22.1f} {row['route_align_triton_us']:>10.1f} "
             f"{row['align_torch_us']:>16.1f} {row['align_triton_us']:>10.1f}"
+            + (
+                f"   grouped {row['grouped_us']:.1f} us, rows {row['rows_us']:.1f} us, "
+                f"route alone {row['route_triton_us']:.1f} us"
+                if "rows_us" in row
+                else ""
+            )
         )
     if args.json:
         with open(args.json, "w") as f:

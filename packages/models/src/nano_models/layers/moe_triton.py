@@ -10,6 +10,8 @@ alone (the sorted list is as long as the worst case; tiles past the used length 
 once), and no value goes back to the host, so a decode step with experts runs inside a CUDA
 graph.
 
+Up to a few tokens ``moe_rows`` takes over (no alignment; the products row by row).
+
 Tiles per shape come from ``nano_models.layers.moe_tiles`` (measured on an H200 by
 ``benchmarks/tune_moe.py``), else from a rule by the number of tokens.
 """
@@ -98,6 +100,39 @@ def route_align_triton(
         num_warps=4,
     )
     return weights, ids, aligned
+
+
+def route_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` in one Triton launch (one program: for decode-sized batches): (weights
+    [T, k] in ``dtype``, expert ids [T, k] int32), among equal probabilities the lower expert
+    id first."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    # As many tokens at a time as there are (up to 2,048 logits), a warp per 256 logits: at
+    # one token one warp routes in 5.6 us, where 16 tokens' rows over 4 warps took 7.7 (an
+    # H200, 128 experts, top-8).
+    block_e = triton.next_power_of_2(experts)
+    block_t = min(triton.next_power_of_2(max(tokens, 1)), max(1, 2048 // block_e))
+    _route_kernel[(1,)](
+        router_logits,
+        weights,
+        ids,
+        tokens,
+        experts,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=block_e,
+        num_warps=min(4, max(1, block_t * block_e // 256)),
+    )
+    return weights, ids
 
 
 def align_torch(
@@ -191,6 +226,35 @@ def _route(
         mask = live[:, None] & (slot[None, :] < TOP_K)
         tl.store(weights + offs, chosen_w.to(weights.dtype.element_ty), mask=mask)
         tl.store(ids + offs, chosen_e, mask=mask)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _route_kernel(
+    logits,
+    weights,
+    ids,
+    tokens,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    _route(
+        logits,
+        weights,
+        ids,
+        tokens,
+        num_experts,
+        stride_t,
+        TOP_K,
+        RENORMALIZE,
+        BLOCK_T,
+        BLOCK_K,
+        BLOCK_E,
+    )
 
 
 @triton.jit
@@ -431,7 +495,12 @@ def routed_moe(
     tiles: tuple[dict, dict] | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` of the router's choice (``route`` of ``router_logits`` [T, E]), the
-    routing and the alignment in one launch for decode-sized batches (``route_align``)."""
+    routing and the alignment in one launch for decode-sized batches (``route_align``); up to
+    ``moe_rows.ROWS_TOKENS`` tokens (and no ``tiles`` given), ``moe_rows``' launches."""
+    from nano_models.layers import moe_rows
+
+    if tiles is None and x.shape[0] <= moe_rows.ROWS_TOKENS:
+        return moe_rows.routed_moe_rows(x, router_logits, w13, w2, top_k, renormalize)
     tiles = tiles or _tiles(x, w13, top_k)
     weights, ids, aligned = route_align(
         router_logits, top_k, renormalize, x.dtype, tiles[0]["BLOCK_M"]

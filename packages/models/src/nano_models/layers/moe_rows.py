@@ -1,0 +1,191 @@
+"""The experts of a few tokens (a decode step of one to a few sequences), in three launches
+that read each chosen expert's rows straight from the routing: no pairs sorted or aligned.
+
+At batch 1 the grouped GEMMs of ``moe_triton`` spend their time elsewhere than in the weight
+reads that bound the layer: the alignment (a chain of reductions and barriers in one program),
+tiles 16 rows tall for one token, and too few programs to keep every SM streaming (96 programs
+of 512 KB for the gate/up launch). Here ``route`` writes each token's top-k experts, then a
+program per (pair, block of BLOCK_N outputs) multiplies its token's activations into its
+expert's gate and up rows and applies SiLU-and-mul (a matrix-vector product: the products as
+elementwise float32 sums, no tensor-core tile to pad), and a program per (token, block of
+outputs) sums the down projections of the token's k experts weighted by the router, so the
+sum over k is no launch of its own. A token's weight reads grow with k, not with the experts
+the batch shares, so past a few tokens the grouped GEMMs win (``ROWS_TOKENS``, measured).
+Every shape depends on the number of tokens alone: it runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nano_models.layers.moe_triton import route_triton
+
+# Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
+# (benchmarks/bench_moe.py, Qwen3-30B-A3B's layer with its router, in CUDA graphs; rows /
+# grouped): 1 token 44.4 / 54.0 us, 2: 69.3 / 74.4, 3: 90.9 / 95.8, 4: 108.2 / 107.7.
+ROWS_TOKENS = 3
+
+# Tile settings (BLOCK_N, BLOCK_K, num_warps) of the two launches, the fastest of
+# benchmarks/bench_moe.py --sweep-rows on an H200 at Qwen3-30B-A3B's shapes and batch 1 (thin
+# tiles: many programs, each streaming a few whole rows).
+UP_TILE = (8, 128, 8)
+DOWN_TILE = (2, 1024, 4)
+
+
+def routed_moe_rows(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    up_tile: tuple[int, int, int] | None = None,
+    down_tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) of the router's choice (softmax of
+    ``router_logits`` [T, E] in float32, top-k, renormalized with ``renormalize``): x [T, H],
+    w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> [T, H] in x's dtype."""
+    weights, ids = route_triton(router_logits, top_k, renormalize, torch.float32)
+    return moe_rows(x, w13, w2, weights, ids, up_tile, down_tile)
+
+
+def moe_rows(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    up_tile: tuple[int, int, int] | None = None,
+    down_tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """The experts of given routing: ``weights`` [T, k] (any float dtype), ``ids`` [T, k];
+    shapes as ``routed_moe_rows``'s. Tiles: (BLOCK_N, BLOCK_K, num_warps) of the two launches
+    (default ``UP_TILE``, ``DOWN_TILE``)."""
+    tokens, top_k = ids.shape
+    _, inter2, hidden = w13.shape
+    inter = inter2 // 2
+    if tokens == 0:
+        return x.new_empty(0, hidden)
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("the experts' weights must be contiguous along their input dimension")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights, ids = weights.contiguous(), ids.contiguous()
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = up_tile or UP_TILE
+    _gate_up_rows[(tokens * top_k, triton.cdiv(inter, block_n))](
+        x,
+        w13,
+        ids,
+        h,
+        inter,
+        hidden,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = down_tile or DOWN_TILE
+    _down_rows[(tokens, triton.cdiv(hidden, block_n))](
+        h,
+        w2,
+        weights,
+        ids,
+        out,
+        hidden,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    return out
+
+
+@triton.jit
+def _gate_up_rows(
+    x,
+    w13,
+    ids,
+    h,
+    N,
+    K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """h[pair, n] = SiLU(x[token] . gate_n) * (x[token] . up_n) for the BLOCK_N outputs n of
+    this program, gate_n and up_n rows n and N + n of the pair's expert in ``w13``."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids + pair).to(tl.int64)
+    x_row = x + (pair // TOP_K).to(tl.int64) * stride_x
+    gate_rows = w13 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    live_n = offs_n < N
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + offs_k
+        live_k = k < K
+        a = tl.load(x_row + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
+        mask = live_n[:, None] & live_k[None, :]
+        gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+    g = tl.sum(gate, 1)
+    out = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
+    tl.store(h + pair.to(tl.int64) * N + offs_n, out.to(h.dtype.element_ty), mask=live_n)
+
+
+@triton.jit
+def _down_rows(
+    h,
+    w2,
+    weights,
+    ids,
+    out,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token, n] = sum over the token's pairs of weight * (h[pair] . down_n of the pair's
+    expert), for the BLOCK_N outputs n of this program; float32 throughout, rounded once."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    live_n = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids + pair).to(tl.int64)
+        scale = tl.load(weights + pair).to(tl.float32)
+        h_row = h + pair.to(tl.int64) * K
+        rows = w2 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + offs_k
+            live_k = k < K
+            a = tl.load(h_row + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
+            mask = live_n[:, None] & live_k[None, :]
+            part += tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        acc += scale * tl.sum(part, 1)
+    tl.store(
+        out + token.to(tl.int64) * stride_out + offs_n, acc.to(out.dtype.element_ty), mask=live_n
+    )
