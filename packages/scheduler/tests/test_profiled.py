@@ -444,6 +444,54 @@ def test_a_requests_cost_is_fitted_on_requests_sent_one_by_one():
     assert old.request < 1.2e-3
 
 
+def test_a_requests_extra_cost_beside_a_computing_loop_thread_is_fitted():
+    """Requests that cost 1.6 times as much while the loop thread computes: the fit finds the
+    factor from the share of each iteration the loop thread computed; a log without the loop
+    thread's CPU seconds gives no such term."""
+    from nano_scheduler.sim.profiled import server_costs
+
+    rng = random.Random(4)
+    records, cpu = [], 0.0
+    for i in range(2000):
+        share = rng.choice([0.05, 0.3, 0.9])  # (waits for the device ... an eager launch)
+        accepted = int(rng.random() < 0.4)
+        tokens = rng.randint(16, 2048) * accepted
+        r = StepRecord(t=i * 0.01, prefills=[], decodes=[8, 800, 100])
+        r.accepted, r.accepted_tokens, r.outputs = accepted, tokens, 8
+        r.cpu = [0.0, share * 0.01, 0.0, 0.0, 0.0]  # (the loop thread's CPU of the iteration)
+        if records:  # (the previous iteration's pass, its requests' handling beside its share)
+            cpu += 4e-5 * 8 + (1.4e-3 * accepted + 1.6e-6 * tokens) * (1 + 0.6 * records[-1].share)
+        r.share = share
+        r.server_cpu_at = cpu
+        records.append(r)
+    records = records[:-1]  # (the last iteration's requests were never handled)
+    workloads = [[0, len(records), 0, 0, 0.0, 20.0]]
+    costs = server_costs(records, {"workloads": workloads})
+    assert costs.busy == pytest.approx(0.6, abs=0.051)
+    assert costs.request == pytest.approx(1.4e-3, rel=0.05)
+    assert costs.prompt_token == pytest.approx(1.6e-6, rel=0.05)
+    for r in records:
+        r.cpu = None
+    assert server_costs(records, {"workloads": workloads}).busy == 0.0
+
+
+def test_a_request_handled_beside_the_computing_loop_thread_costs_more():
+    """The event loop's handling of a request: its cost while the loop thread waits for the
+    device, 1 + busy times it while the loop thread computes (and the loop thread waits)."""
+    from nano_scheduler.sim.host import ServerCosts, ServerHost
+
+    costs = ServerCosts(1e-3, 0.0, ((1, 1e-4), (64, 2e-3)), busy=0.5)
+    host = ServerHost(costs, lambda *a: None)
+    host.send(0.0, 0, 10)
+    assert host.free(0.0, 0.004) == 0.004  # (the loop thread waits: the request costs 1 ms)
+    assert host.accepted(0.004) == [0]
+    host.send(0.0051, 1, 10)
+    end = host.cpu(0.005, 0.002)  # (computing from 5 ms: the request comes in at 5.1 ms)
+    assert end == pytest.approx(0.005 + 0.002 + 1.5e-3)
+    assert host.accepted(end) == [1]
+    assert host.busy_until == pytest.approx(0.0051 + 1.5e-3)
+
+
 def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     from nano_scheduler.sim.profile import _checksum
 

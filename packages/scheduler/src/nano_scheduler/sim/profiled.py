@@ -415,27 +415,40 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     if not points:
         raise ValueError("the profile's server measurements hold no pass over the streams")
     passes = Piecewise(increasing(points))
-    request, prompt_token = _request_costs(records, server.get("workloads", []), passes)
+    request, prompt_token, busy = _request_costs(records, server.get("workloads", []), passes)
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
     latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
     points = tuple(zip(passes.xs, passes.ys))
-    return ServerCosts(request, prompt_token, points, latency, first)
+    return ServerCosts(request, prompt_token, points, latency, first, busy)
 
 
-def _request_costs(records: list[StepRecord], workloads: list, passes) -> tuple[float, float]:
-    """(seconds per request, per prompt token) of the event loop's handling of a request."""
+def _request_costs(
+    records: list[StepRecord], workloads: list, passes
+) -> tuple[float, float, float]:
+    """The event loop's handling of a request: seconds per request and per prompt token, and
+    how much more it costs while the loop thread computes (``ServerCosts.busy``). Fitted on
+    the event loop's CPU seconds of each iteration less its passes, as (requests, prompt
+    tokens) times 1 + busy x the share of the iteration the loop thread computed (its CPU
+    seconds over the iteration's; 0 where the log has none), ``busy`` the best of a grid."""
     spread = [w for w in workloads if len(w) > 5 and w[5] > 0]
-    rows, residual = [], []
+    rows, residual, shares = [], [], []
     for first, end, *_ in spread or workloads[1:]:
         first, end = int(first), min(int(end), len(records) - 1)
         for a, b in pairwise(records[first : end + 1]):
             if a.server_cpu_at is None or b.server_cpu_at is None:
                 continue
             cpu = b.server_cpu_at - a.server_cpu_at - (passes(a.outputs) if a.outputs else 0.0)
-            rows.append([b.accepted, b.accepted_tokens or 0])
+            rows.append((b.accepted, b.accepted_tokens or 0))
             residual.append(cpu)
+            shares.append(min(1.0, sum(a.cpu) / (b.t - a.t)) if a.cpu and b.t > a.t else 0.0)
     if not any(accepted for accepted, _ in rows):
-        return 0.0, 0.0
-    request, prompt_token = nnls(rows, residual)
-    return request, prompt_token
+        return 0.0, 0.0, 0.0
+    best = None
+    for busy in [i / 20 for i in range(41)] if any(shares) else [0.0]:
+        scaled = [[n * (1 + busy * s), t * (1 + busy * s)] for (n, t), s in zip(rows, shares)]
+        coef = nnls(scaled, residual)
+        error = sum((coef[0] * x + coef[1] * y - r) ** 2 for (x, y), r in zip(scaled, residual))
+        if best is None or error < best[0]:
+            best = (error, coef[0], coef[1], busy)
+    return best[1], best[2], best[3]
