@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_moe_triton import reference  # (float64, a token and a slot at a time)
+
 from nano_models.layers.moe import moe_torch, route
 from nano_models.layers.moe_rows import ROWS_TOKENS, moe_rows, routed_moe_rows
 from nano_models.layers.moe_triton import route_triton
@@ -26,18 +28,6 @@ pytestmark = [
     ),
 ]
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
-
-
-def reference(x, w13, w2, weights, ids) -> torch.Tensor:
-    """float64, a token and a slot at a time."""
-    x, w13, w2, weights = (t.double().cpu() for t in (x, w13, w2, weights))
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for slot, e in enumerate(ids[t].tolist()):
-            gate, up = (w13[e] @ x[t]).split(inter)
-            out[t] += weights[t, slot] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
-    return out
 
 
 def problem(tokens, experts, inter, hidden, dtype, seed):

@@ -9,7 +9,8 @@ all-reduces its output, as a row-parallel layer does.
 
 On CUDA (with Triton) the routing and the experts run in a few launches (``moe_triton``: the
 routing with the pairs' alignment, two grouped GEMMs, a sum), whose shapes depend on the number
-of tokens alone: decode steps run in CUDA graphs. ``moe_torch`` is
+of tokens alone: decode steps run in CUDA graphs; up to a few tokens ``moe_rows`` (routing, then
+each chosen expert's rows read straight from it). ``moe_torch`` is
 the CPU's path and the kernels' reference: it gathers each expert's tokens, so its shapes
 depend on the routing.
 """
