@@ -451,18 +451,17 @@ def test_a_requests_extra_cost_beside_a_computing_loop_thread_is_fitted():
     from nano_scheduler.sim.profiled import server_costs
 
     rng = random.Random(4)
-    records, cpu = [], 0.0
+    records, cpu, share = [], 0.0, 0.0
     for i in range(2000):
-        share = rng.choice([0.05, 0.3, 0.9])  # (waits for the device ... an eager launch)
         accepted = int(rng.random() < 0.4)
         tokens = rng.randint(16, 2048) * accepted
         r = StepRecord(t=i * 0.01, prefills=[], decodes=[8, 800, 100])
         r.accepted, r.accepted_tokens, r.outputs = accepted, tokens, 8
-        r.cpu = [0.0, share * 0.01, 0.0, 0.0, 0.0]  # (the loop thread's CPU of the iteration)
         if records:  # (the previous iteration's pass, its requests' handling beside its share)
-            cpu += 4e-5 * 8 + (1.4e-3 * accepted + 1.6e-6 * tokens) * (1 + 0.6 * records[-1].share)
-        r.share = share
+            cpu += 4e-5 * 8 + (1.4e-3 * accepted + 1.6e-6 * tokens) * (1 + 0.6 * share)
         r.server_cpu_at = cpu
+        share = rng.choice([0.05, 0.3, 0.9])  # (waits for the device ... an eager launch)
+        r.cpu = [0.0, share * 0.01, 0.0, 0.0, 0.0]  # (the loop thread's CPU of the iteration)
         records.append(r)
     records = records[:-1]  # (the last iteration's requests were never handled)
     workloads = [[0, len(records), 0, 0, 0.0, 20.0]]
