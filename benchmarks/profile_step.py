@@ -1,12 +1,12 @@
-"""Where one decode step's time goes, at nano-vllm benchmark scale (Qwen3-0.6B config, dummy
-weights, 256 sequences of a given context), on the GPU:
+"""Where one decode step's time goes, at nano-vllm benchmark scale (Qwen3-0.6B config unless
+--model names another, dummy weights, 256 sequences of a given context), on the GPU:
 
   host   StepInput.of + the runner's input tensors
   graph  the CUDA graph replay: inputs unpacked, the model, the LM head, the fused draw
   sample the sampler outside the graph (temperature 0.6, as in the benchmark)
 and the same decode step's model under torch.profiler (top kernels).
 
-    python benchmarks/profile_step.py [--context 512] [--batch 256]
+    python benchmarks/profile_step.py [--context 512] [--batch 256] [--model CONFIG]
 """
 
 from __future__ import annotations
@@ -38,13 +38,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"))
+    parser.add_argument("--kernels", type=int, default=15, help="rows of the kernel table")
     args = parser.parse_args()
-    llm = LLM(
-        str(ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=2048,
-    )
+    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048)
     engine = llm.engine
     runner, sampler = engine.runner, engine.sampler
     blocks = -(-args.context // 16)
@@ -87,7 +84,7 @@ def main() -> None:
         for _ in range(3):
             runner.execute(step, None, fused)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.kernels))
     llm.shutdown()
 
 

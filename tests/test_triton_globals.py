@@ -25,6 +25,8 @@ MODULES = [
     "nano_kvcache.attention",
     "nano_models.layers.fp8_matmul",
     "nano_models.layers.fp8_quant",
+    "nano_models.layers.gemv",
+    "nano_models.layers.moe_rows",
     "nano_models.layers.moe_triton",
     "nano_models.layers.rotary_triton",
     "nano_models.layers.triton_tiles",

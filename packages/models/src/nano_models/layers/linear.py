@@ -13,6 +13,11 @@ from torch import nn
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.weights import WeightSource
 
+try:
+    from nano_models.layers import gemv
+except ImportError:  # (no Triton: a CPU install)
+    gemv = None
+
 
 class LinearBase(nn.Module):
     """y = x W^T + b with W [out_local, in_local]. ``tp_dim`` says which dim is sharded.
@@ -74,6 +79,10 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
+        if gemv is not None and gemv.usable(
+            x, self.weight
+        ):  # (a decode step of a few sequences on a GPU)
+            return gemv.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

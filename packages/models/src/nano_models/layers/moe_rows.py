@@ -8,9 +8,15 @@ of 512 KB for the gate/up launch). Here ``route`` writes each token's top-k expe
 program per (pair, block of BLOCK_N outputs) multiplies its token's activations into its
 expert's gate and up rows and applies SiLU-and-mul (a matrix-vector product: the products as
 elementwise float32 sums, no tensor-core tile to pad), and a program per (token, block of
-outputs) sums the down projections of the token's k experts weighted by the router, so the
-sum over k is no launch of its own. A token's weight reads grow with k, not with the experts
-the batch shares, so past a few tokens the grouped GEMMs win (``ROWS_TOKENS``, measured).
+outputs) takes the down rows of all the token's k experts as one tile, weighted by the router
+and summed in float32, so the sum over k is no launch of its own. A token's weight reads grow
+with k, not with the experts the batch shares, so past a few tokens the grouped GEMMs win
+(``ROWS_TOKENS``, measured).
+
+On Hopper the three launches are programmatic dependent launches (as ``gemv``'s): each waits
+for the previous kernel, then lets the next one start, and the down launch loads its experts'
+rows before its wait (the routing it reads them by is two launches back, finished before the
+gate/up launch let it start), so those reads overlap the gate/up launch.
 Every shape depends on the number of tokens alone: it runs inside CUDA graphs.
 """
 
@@ -20,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_models.layers import gemv
 from nano_models.layers.moe_triton import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
@@ -29,9 +36,11 @@ ROWS_TOKENS = 3
 
 # Tile settings (BLOCK_N, BLOCK_K, num_warps) of the two launches, the fastest of
 # benchmarks/bench_moe.py --sweep-rows on an H200 at Qwen3-30B-A3B's shapes and batch 1 (thin
-# tiles: many programs, each streaming a few whole rows).
+# tiles: many programs, each streaming a few whole rows). The down launch's BLOCK_K is the
+# longest slice of a row it takes at once (rounded down so that its k experts' BLOCK_N rows
+# hold at most 8,192 values).
 UP_TILE = (8, 128, 8)
-DOWN_TILE = (2, 1024, 4)
+DOWN_TILE = (1, 1024, 4)
 
 
 def routed_moe_rows(
@@ -47,7 +56,7 @@ def routed_moe_rows(
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) of the router's choice (softmax of
     ``router_logits`` [T, E] in float32, top-k, renormalized with ``renormalize``): x [T, H],
     w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> [T, H] in x's dtype."""
-    weights, ids = route_triton(router_logits, top_k, renormalize, torch.float32)
+    weights, ids = route_triton(router_logits, top_k, renormalize, torch.float32, pdl=True)
     return moe_rows(x, w13, w2, weights, ids, up_tile, down_tile)
 
 
@@ -73,6 +82,8 @@ def moe_rows(
     x = x if x.stride(1) == 1 else x.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = gemv.PDL and x.is_cuda and gemv.pdl_capable(x.device.index or 0)
+    launch = {"launch_pdl": True} if pdl else {}
     block_n, block_k, warps = up_tile or UP_TILE
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, block_n))](
         x,
@@ -87,10 +98,16 @@ def moe_rows(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl,
         num_warps=warps,
+        **launch,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = down_tile or DOWN_TILE
+    slots = triton.next_power_of_2(top_k)
+    block_k = min(
+        block_k, triton.next_power_of_2(inter), _prev_power_of_2(8192 // (slots * block_n))
+    )
     _down_rows[(tokens, triton.cdiv(hidden, block_n))](
         h,
         w2,
@@ -103,11 +120,18 @@ def moe_rows(
         w2.stride(1),
         out.stride(0),
         TOP_K=top_k,
+        SLOTS=slots,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=max(16, block_k),
+        PDL=pdl,
         num_warps=warps,
+        **launch,
     )
     return out
+
+
+def _prev_power_of_2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
 
 
 @triton.jit
@@ -124,9 +148,13 @@ def _gate_up_rows(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[pair, n] = SiLU(x[token] . gate_n) * (x[token] . up_n) for the BLOCK_N outputs n of
     this program, gate_n and up_n rows n and N + n of the pair's expert in ``w13``."""
+    if PDL:  # (the routing, then the down launch may start)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -162,30 +190,40 @@ def _down_rows(
     stride_wn,
     stride_out,
     TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[token, n] = sum over the token's pairs of weight * (h[pair] . down_n of the pair's
-    expert), for the BLOCK_N outputs n of this program; float32 throughout, rounded once."""
+    expert), for the BLOCK_N outputs n of this program; float32 throughout, rounded once. The
+    k experts' rows are one tile: row r is slot r // BLOCK_N (SLOTS: TOP_K rounded up to a
+    power of two), output r % BLOCK_N."""
     token = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, SLOTS * BLOCK_N)
+    slot = r // BLOCK_N
+    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    live_r = (slot < TOP_K) & (offs_n < N)
+    pair = token * TOP_K + slot
     offs_k = tl.arange(0, BLOCK_K)
-    live_n = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids + pair).to(tl.int64)
-        scale = tl.load(weights + pair).to(tl.float32)
-        h_row = h + pair.to(tl.int64) * K
-        rows = w2 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + offs_k
-            live_k = k < K
-            a = tl.load(h_row + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
-            mask = live_n[:, None] & live_k[None, :]
-            part += tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
-        acc += scale * tl.sum(part, 1)
-    tl.store(
-        out + token.to(tl.int64) * stride_out + offs_n, acc.to(out.dtype.element_ty), mask=live_n
-    )
+    # The routing is two launches back (the gate/up launch waited for it before letting this
+    # one start): the experts' rows are read before the wait.
+    expert = tl.load(ids + pair, mask=live_r, other=0).to(tl.int64)
+    scale = tl.load(weights + pair, mask=live_r, other=0.0).to(tl.float32)
+    rows = w2 + expert[:, None] * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    live_k = offs_k < K
+    tile = tl.load(rows + offs_k[None, :], mask=live_r[:, None] & live_k[None, :], other=0.0)
+    if PDL:  # (h is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    h_rows = h + pair.to(tl.int64)[:, None] * K
+    a = tl.load(h_rows + offs_k[None, :], mask=live_r[:, None] & live_k[None, :], other=0.0)
+    part = tl.sum(tile.to(tl.float32) * a.to(tl.float32), 1)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        k = start + offs_k
+        mask = live_r[:, None] & (k < K)[None, :]
+        w = tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        part += tl.sum(w * tl.load(h_rows + k[None, :], mask=mask, other=0.0).to(tl.float32), 1)
+    y = tl.sum(tl.reshape(part * scale, [SLOTS, BLOCK_N]), 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out + token.to(tl.int64) * stride_out + n, y.to(out.dtype.element_ty), mask=n < N)

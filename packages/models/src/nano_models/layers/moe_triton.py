@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_models.layers import gemv
 from nano_models.layers.moe import route
 from nano_models.layers.triton_tiles import grouped_tile
 
@@ -103,11 +104,17 @@ def route_align_triton(
 
 
 def route_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route`` in one Triton launch (one program: for decode-sized batches): (weights
     [T, k] in ``dtype``, expert ids [T, k] int32), among equal probabilities the lower expert
-    id first."""
+    id first. ``pdl``: as a programmatic dependent launch where the device has it (it waits
+    for the previous kernel, then lets the next one start; ``gemv`` says why)."""
+
     tokens, experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
@@ -118,6 +125,8 @@ def route_triton(
     # H200, 128 experts, top-8).
     block_e = triton.next_power_of_2(experts)
     block_t = min(triton.next_power_of_2(max(tokens, 1)), max(1, 2048 // block_e))
+    pdl = pdl and gemv.PDL and router_logits.is_cuda
+    pdl = pdl and gemv.pdl_capable(router_logits.device.index or 0)
     _route_kernel[(1,)](
         router_logits,
         weights,
@@ -130,7 +139,9 @@ def route_triton(
         BLOCK_T=block_t,
         BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=block_e,
+        PDL=pdl,
         num_warps=min(4, max(1, block_t * block_e // 256)),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return weights, ids
 
@@ -241,7 +252,11 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # (the logits are complete; the next kernel may start)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _route(
         logits,
         weights,
