@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import replayed_us
 
-from nano_models.layers import gemv as gemv_module
+from nano_kvcache import launch
 from nano_models.layers.gemv import gemv
 
 LAYERS = 8
@@ -60,11 +60,11 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             cublas = timed(F.linear, x, weights)
             ours = timed(gemv, x, weights)
-            gemv_module.PDL = False
+            launch.ENABLED = False
             try:
                 no_pdl = timed(gemv, x, weights)
             finally:
-                gemv_module.PDL = True
+                launch.ENABLED = True
             row = dict(
                 model=model,
                 layer=layer,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_kvcache.launch import launch_options, pdl
+
 try:  # Triton >= 3.4: TMA descriptors built on the host
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -225,7 +227,11 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # One grid axis with the sequence slowest: the programs of a sequence (its kv heads and
     # splits) start together and read neighbouring memory (a block holds every kv head).
     pid = tl.program_id(0)
@@ -311,7 +317,11 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -409,6 +419,7 @@ def paged_decode(
         )
     splits = num_splits or decode_splits(batch, kv_heads)
     block_d = triton.next_power_of_2(head_dim)
+    dependent = pdl(q)
     if splits > 1:
         part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(
@@ -447,8 +458,10 @@ def paged_decode(
         ORDERED=order is not None,
         PRECISION=_precision(q),
         F16_DOTS=fp16_dots and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        PDL=dependent,
         num_warps=4,
         num_stages=2,
+        **launch_options(dependent),
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
@@ -461,7 +474,9 @@ def paged_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
+            PDL=dependent,
             num_warps=4,
+            **launch_options(dependent),
         )
     return out
 

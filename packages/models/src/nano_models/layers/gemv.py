@@ -7,8 +7,8 @@ projection (21 MB) and 10.8 us for its output projection (17 MB, split-K and a r
 the model's CUDA graph. Here a program holds BLOCK_N whole rows of W (up to ``MAX_TILE``
 values; longer rows in slices), loads its first slice before anything else, then, on Hopper,
 waits for the previous kernel (programmatic dependent launch: the launch and the first weight
-reads overlap the previous kernel's end) and lets the next kernel start. Weights are the only
-thing read before that wait: they do not change during a forward.
+reads overlap the previous kernel's end; ``nano_kvcache.launch``) and lets the next kernel
+start. Weights are the only thing read before that wait: they do not change during a forward.
 
 The products are float32 sums of elementwise products (no tensor-core tile for one row),
 rounded once. Every shape depends on the rows alone: it runs inside CUDA graphs.
@@ -16,11 +16,11 @@ rounded once. Every shape depends on the rows alone: it runs inside CUDA graphs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from nano_kvcache.launch import launch_options, pdl
 
 # The products ``LinearBase`` gives this kernel on a CUDA device: one row always, two rows when
 # the weight holds at most TWO_ROWS_VALUES values. Measured on an H200 (benchmarks/bench_gemv.py,
@@ -33,8 +33,6 @@ TWO_ROWS_VALUES = 1 << 23
 MAX_TILE = 16384
 # Programs to aim for at least (two per SM of an H200), narrowing the rows a program takes.
 MIN_PROGRAMS = 264
-# Programmatic dependent launch where the device has it (compute capability 9.0 and up).
-PDL = True
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -49,11 +47,6 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.stride(1) == 1
     )
-
-
-@functools.cache
-def pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def tiles(n: int, k: int) -> tuple[int, int, int]:
@@ -79,8 +72,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if rows == 0:
         return out
     block_n, block_k, warps = tiles(n, k)
-    pdl = PDL and x.is_cuda and pdl_capable(x.device.index or 0)
-    launch = {"launch_pdl": True} if pdl else {}
+    dependent = pdl(x)
     _gemv[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -96,9 +88,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=pdl,
+        PDL=dependent,
         num_warps=warps,
-        **launch,
+        **launch_options(dependent),
     )
     return out
 

@@ -13,10 +13,10 @@ and summed in float32, so the sum over k is no launch of its own. A token's weig
 with k, not with the experts the batch shares, so past a few tokens the grouped GEMMs win
 (``ROWS_TOKENS``, measured).
 
-On Hopper the three launches are programmatic dependent launches (as ``gemv``'s): each waits
-for the previous kernel, then lets the next one start, and the down launch loads its experts'
-rows before its wait (the routing it reads them by is two launches back, finished before the
-gate/up launch let it start), so those reads overlap the gate/up launch.
+On Hopper the three launches are programmatic dependent launches (``nano_kvcache.launch``):
+each waits for the previous kernel, then lets the next one start, and the down launch loads its
+experts' rows before its wait (the routing it reads them by is two launches back, finished
+before the gate/up launch let it start), so those reads overlap the gate/up launch.
 Every shape depends on the number of tokens alone: it runs inside CUDA graphs.
 """
 
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_models.layers import gemv
+from nano_kvcache.launch import launch_options, pdl
 from nano_models.layers.moe_triton import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
@@ -82,8 +82,7 @@ def moe_rows(
     x = x if x.stride(1) == 1 else x.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    pdl = gemv.PDL and x.is_cuda and gemv.pdl_capable(x.device.index or 0)
-    launch = {"launch_pdl": True} if pdl else {}
+    dependent = pdl(x)
     block_n, block_k, warps = up_tile or UP_TILE
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, block_n))](
         x,
@@ -98,9 +97,9 @@ def moe_rows(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=pdl,
+        PDL=dependent,
         num_warps=warps,
-        **launch,
+        **launch_options(dependent),
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = down_tile or DOWN_TILE
@@ -123,9 +122,9 @@ def moe_rows(
         SLOTS=slots,
         BLOCK_N=block_n,
         BLOCK_K=max(16, block_k),
-        PDL=pdl,
+        PDL=dependent,
         num_warps=warps,
-        **launch,
+        **launch_options(dependent),
     )
     return out
 

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_models.layers import gemv
+from nano_kvcache.launch import launch_options
+from nano_kvcache.launch import pdl as pdl_here
 from nano_models.layers.moe import route
 from nano_models.layers.triton_tiles import grouped_tile
 
@@ -113,7 +114,7 @@ def route_triton(
     """``route`` in one Triton launch (one program: for decode-sized batches): (weights
     [T, k] in ``dtype``, expert ids [T, k] int32), among equal probabilities the lower expert
     id first. ``pdl``: as a programmatic dependent launch where the device has it (it waits
-    for the previous kernel, then lets the next one start; ``gemv`` says why)."""
+    for the previous kernel, then lets the next one start: ``nano_kvcache.launch``)."""
 
     tokens, experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
@@ -125,8 +126,7 @@ def route_triton(
     # H200, 128 experts, top-8).
     block_e = triton.next_power_of_2(experts)
     block_t = min(triton.next_power_of_2(max(tokens, 1)), max(1, 2048 // block_e))
-    pdl = pdl and gemv.PDL and router_logits.is_cuda
-    pdl = pdl and gemv.pdl_capable(router_logits.device.index or 0)
+    pdl = pdl and pdl_here(router_logits)
     _route_kernel[(1,)](
         router_logits,
         weights,
@@ -141,7 +141,7 @@ def route_triton(
         BLOCK_E=block_e,
         PDL=pdl,
         num_warps=min(4, max(1, block_t * block_e // 256)),
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_options(pdl),
     )
     return weights, ids
 

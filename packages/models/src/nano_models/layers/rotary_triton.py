@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nano_kvcache import ops
+from nano_kvcache.launch import launch_options, pdl
 
 # (a NaN stays NaN when rounded into an FP8 cache, as the store kernels keep it)
 _NAN = tl.constexpr(tl.PropagateNan.ALL)  # (an annotation is not enough on GPUs)
@@ -104,7 +105,11 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pos = tl.load(positions + t)
     c = tl.arange(0, BLOCK_HALF)
@@ -238,5 +243,7 @@ def qk_norm_rope(
             BLOCK_K=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            PDL=pdl(qkv),
+            **launch_options(pdl(qkv)),
         )
     return q, k

@@ -1,0 +1,34 @@
+"""Programmatic dependent launch (Hopper and later), for the decode path's Triton kernels.
+
+A kernel launched this way may start while the kernel before it is finishing. It must wait
+(``tl.extra.cuda.gdc_wait()``) before it reads anything that kernel wrote; it then lets the
+next kernel start (``tl.extra.cuda.gdc_launch_dependents()``). Before its wait it may read
+only what no kernel of the forward writes (weights). Each kernel here waits, then lets the
+next one start, so when a kernel starts, everything two kernels back is complete. In a decode
+step of a few sequences, where each kernel lasts a few microseconds, the launch and a
+kernel's first weight reads then overlap the end of the kernel before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Off: every kernel launches as any other (for measuring what it gives).
+ENABLED = True
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with programmatic dependent launch."""
+    return ENABLED and t.is_cuda and _capable(t.device.index or torch.cuda.current_device())
+
+
+def launch_options(on: bool) -> dict:
+    """The Triton launch keyword for it (none when off: CPU interpreter included)."""
+    return {"launch_pdl": True} if on else {}
