@@ -26,7 +26,10 @@ def _capable(index: int) -> bool:
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with programmatic dependent launch."""
-    return ENABLED and t.is_cuda and _capable(t.device.index or torch.cuda.current_device())
+    if not (ENABLED and t.is_cuda):
+        return False
+    index = t.device.index
+    return _capable(torch.cuda.current_device() if index is None else index)
 
 
 def launch_options(on: bool) -> dict:
