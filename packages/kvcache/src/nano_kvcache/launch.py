@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 # Off: every kernel launches as any other (for measuring what it gives).
 ENABLED = True
 
 
 @functools.cache
-def _capable(index: int) -> bool:
+def _capable(index: int | None) -> bool:
+    import torch  # (this package's control plane imports without torch)
+
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with programmatic dependent launch."""
-    if not (ENABLED and t.is_cuda):
-        return False
-    index = t.device.index
-    return _capable(torch.cuda.current_device() if index is None else index)
+def pdl(t) -> bool:
+    """Whether kernels on tensor t's device launch with programmatic dependent launch."""
+    return ENABLED and t.is_cuda and _capable(t.device.index)
 
 
 def launch_options(on: bool) -> dict:
