@@ -1,6 +1,7 @@
 """The few-row linear product (``gemv``) against float64 torch: rows 1 to 4 and more, outputs
 no tile divides, rows longer than one slice, a bias; which products the linear layers give it;
-bad input. On the GPU also bf16 and fp16, and CUDA graphs in which it follows a kernel that
+bad input; the prologues that make the input (RMSNorm with the residual add, SiLU-and-mul).
+On the GPU also bf16 and fp16, and CUDA graphs in which it follows a kernel that
 writes its input and feeds another (programmatic dependent launch on Hopper). GPU-marked; with
 TRITON_INTERPRET=1 (float32) it also runs on the CPU."""
 
@@ -14,8 +15,14 @@ import torch
 pytest.importorskip("triton")
 
 from nano_models.layers import gemv as gemv_module
-from nano_models.layers.gemv import GEMV_ROWS, gemv, tiles, usable
-from nano_models.layers.linear import ReplicatedLinear
+from nano_models.layers.activation import SiluAndMul
+from nano_models.layers.gemv import GEMV_ROWS, gated_gemv, gemv, normed_gemv, tiles, usable
+from nano_models.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from nano_models.layers.norm import RMSNorm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,3 +161,111 @@ def test_a_cuda_graph_chains_it_after_a_writer_and_into_another(rows):
         torch.cuda.synchronize()
         mid = (reference(src * 2, w1)).to(torch.bfloat16)
         torch.testing.assert_close(out.double().cpu(), reference(mid, w2), atol=3e-2, rtol=3e-2)
+
+
+def rms_normed(s, weight, eps):
+    """float64 RMSNorm of s [M, K] times weight [K]."""
+    s = s.double().cpu()
+    return weight.double().cpu() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,n,k,with_residual,bias",
+    [
+        (1, 64, 128, True, False),
+        (1, 37, 100, False, True),  # (no residual: the first layer's input norm)
+        (2, 300, 48, True, True),
+        (3, 20, 200, True, False),
+    ],
+)
+def test_the_normed_product_matches_float64(rows, n, k, with_residual, bias, dtype):
+    x, w, b = operands(rows, n, k, dtype, seed=rows + n + k, bias=bias)
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(rows, k, generator=g).to(DEVICE, dtype) if with_residual else None
+    norm_w = (1 + torch.rand(k, generator=g)).to(DEVICE, dtype)
+    out, new_residual, normed = normed_gemv(x, residual, norm_w, 1e-6, w, b, keep_normed=True)
+    s = x.double().cpu() + (0 if residual is None else residual.double().cpu())
+    h = rms_normed(s, norm_w, 1e-6)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(new_residual.double().cpu(), s, **tol)
+    torch.testing.assert_close(normed.double().cpu(), h, **tol)
+    torch.testing.assert_close(out.double().cpu(), reference(h, w, b), **tol)
+    if residual is None:
+        assert new_residual is x  # (the residual is the input itself)
+    else:
+        assert new_residual.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    assert normed_gemv(x, residual, norm_w, 1e-6, w, b).normed is None  # (kept when asked)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_normed_product_takes_long_rows_in_slices(rows, monkeypatch):
+    monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
+    n, k = 12, 300  # (the norm's sums and the product over 5 slices of 64)
+    x, w, _ = operands(rows, n, k, torch.float32, seed=9)
+    residual = torch.randn(rows, k).to(DEVICE)
+    norm_w = torch.rand(k).to(DEVICE) + 0.5
+    out, new_residual, normed = normed_gemv(x, residual, norm_w, 1e-5, w, keep_normed=True)
+    summed = x.double().cpu() + residual.double().cpu()
+    h = rms_normed(summed, norm_w, 1e-5)
+    torch.testing.assert_close(new_residual.double().cpu(), summed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(normed.double().cpu(), h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double().cpu(), reference(h, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 64, 96, False), (2, 33, 200, True)])
+def test_the_gated_product_matches_float64(rows, n, k, bias, dtype):
+    _, w, b = operands(rows, n, k, dtype, seed=n + k, bias=bias)
+    h = (torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(3)) * 2).to(DEVICE, dtype)
+    gate, up = h.double().cpu().chunk(2, dim=-1)
+    act = gate * torch.sigmoid(gate) * up
+    out = gated_gemv(h, w, b)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), reference(act, w, b), **tolerance(dtype))
+
+
+def test_bad_prologue_input_is_refused():
+    x, w, _ = operands(1, 8, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"gate and up halves of 16 columns each.*\[1, 16\]"):
+        gated_gemv(x, w)
+    norm_w = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"the norm's weight must be torch.float32 \[16\]"):
+        normed_gemv(x, None, norm_w[:8], 1e-6, w)
+    with pytest.raises(ValueError, match=r"the residual must be torch.float32 \[1, 16\]"):
+        normed_gemv(x, x[:, :8], norm_w, 1e-6, w)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the linear layers take it on a GPU only")
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1])
+def test_layers_with_the_norm_or_activation_in_the_prologue_match_their_own_kernels(rows):
+    """The fused layers (rows <= GEMV_ROWS) against the norm, SiLU-and-mul and product as
+    separate torch kernels; past GEMV_ROWS the layers take those kernels themselves."""
+    torch.manual_seed(rows)
+    norm = RMSNorm(256, eps=1e-6).to("cuda", torch.bfloat16)
+    norm.weight.uniform_(0.5, 1.5)
+    up = MergedColumnParallelLinear(256, [96, 96], bias=False).to("cuda", torch.bfloat16)
+    down = RowParallelLinear(96, 256, bias=True).to("cuda", torch.bfloat16)
+    for layer in (up, down):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(down.bias)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+
+    h, s, normed = up.normed(norm, x, residual, keep_normed=True)
+    normed_ref, s_ref = norm(x, residual)
+    assert torch.equal(s, s_ref)  # (one bf16 rounding of the same sum)
+    torch.testing.assert_close(normed, normed_ref, atol=0, rtol=2**-7)  # (an ulp at most)
+    torch.testing.assert_close(
+        h.double().cpu(), reference(normed_ref, up.weight), **tolerance(torch.bfloat16)
+    )
+    first, s_first, _ = up.normed(norm, x)  # (no residual: the first layer)
+    assert s_first is x
+    torch.testing.assert_close(first, up(norm(x)), **tolerance(torch.bfloat16))
+
+    act = SiluAndMul()
+    torch.testing.assert_close(
+        down(h, act=act).double().cpu(),
+        reference(act(h), down.weight, down.bias),
+        **tolerance(torch.bfloat16),
+    )

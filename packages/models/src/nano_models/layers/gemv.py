@@ -10,11 +10,25 @@ waits for the previous kernel (programmatic dependent launch: the launch and the
 reads overlap the previous kernel's end; ``nano_kvcache.launch``) and lets the next kernel
 start. Weights are the only thing read before that wait: they do not change during a forward.
 
+Every program reads all of x, so the elementwise step that makes a layer's input can run in
+the product's prologue instead of a launch of its own (a few microseconds each, and no early
+start: compiled torch kernels do not take part in programmatic dependent launch):
+
+- ``normed_gemv``: the input is RMSNorm(x + residual), the layer norm before the attention's
+  qkv projection or the MLP. The sum x + residual, the new residual, is written by program 0
+  into a new tensor (the other programs still read the old one).
+- ``gated_gemv``: the input is SiLU(gate) * up of a gated MLP's [gate | up] halves, the down
+  projection's.
+
 The products are float32 sums of elementwise products (no tensor-core tile for one row),
-rounded once. Every shape depends on the rows alone: it runs inside CUDA graphs.
+rounded once; the prologues round where torch's layers round (the sum, the normed value, its
+product with the norm's weight; SiLU-and-mul once). Every shape depends on the rows alone: it
+runs inside CUDA graphs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +47,20 @@ TWO_ROWS_VALUES = 1 << 23
 MAX_TILE = 16384
 # Programs to aim for at least (two per SM of an H200), narrowing the rows a program takes.
 MIN_PROGRAMS = 264
+
+# What the program computes its input from (a kernel's globals must be constexpr objects).
+_PLAIN = tl.constexpr(0)  # x itself
+_NORMED = tl.constexpr(1)  # RMSNorm(x + residual) * norm weight
+_GATED = tl.constexpr(2)  # SiLU(x[:, :K]) * x[:, K:]
+
+
+class Normed(NamedTuple):
+    """``normed_gemv``'s results: the product, the new residual (x + residual; x itself
+    without a residual) and, when kept, the normed input the product was taken of."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
+    normed: torch.Tensor | None
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -61,30 +89,114 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for M up to
     ``GEMV_ROWS`` (any M works; past a few rows cuBLAS is faster)."""
+    _check(weight, x.shape[1], "x")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(_contiguous(x), weight, bias, out, _PLAIN)
+    return out
+
+
+def gated_gemv(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(SiLU(h[:, :K]) * h[:, K:]) @ weight [N, K]^T (+ bias) -> [M, N]: a gated MLP's down
+    projection of its [gate | up] halves h [M, 2K], SiLU-and-mul in float32, rounded once."""
+    if h.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"h holds gate and up halves of {weight.shape[1]} columns each for this weight "
+            f"([M, {2 * weight.shape[1]}]), got {list(h.shape)}"
+        )
+    _check(weight, weight.shape[1], "h")
+    out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
+    _launch(_contiguous(h), weight, bias, out, _GATED)
+    return out
+
+
+def normed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    keep_normed: bool = False,
+) -> Normed:
+    """RMSNorm(x + residual) @ weight^T (+ bias) for x and residual [M, K], norm_weight [K]:
+    the sum rounded to x's dtype, normed in float32 and rounded, times the norm's weight and
+    rounded (as ``nano_models.layers.norm`` computes it). ``keep_normed`` also writes the normed
+    input (for another consumer of it)."""
     rows, k = x.shape
-    n = weight.shape[0]
+    _check(weight, k, "x")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(
+            f"the norm's weight must be {x.dtype} [{k}], got {norm_weight.dtype} "
+            f"{list(norm_weight.shape)}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"the residual must be {x.dtype} {list(x.shape)}, got {residual.dtype} "
+            f"{list(residual.shape)}"
+        )
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    new_residual = (
+        x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
+    normed = torch.empty_like(new_residual) if keep_normed else None
+    _launch(
+        _contiguous(x),
+        weight,
+        bias,
+        out,
+        _NORMED,
+        residual=None if residual is None else _contiguous(residual),
+        norm=(norm_weight.contiguous(), eps),
+        residual_out=None if residual is None else new_residual,
+        normed_out=normed,
+    )
+    return Normed(out, new_residual, normed)
+
+
+def _check(weight: torch.Tensor, k: int, name: str) -> None:
     if weight.shape[1] != k:
-        raise ValueError(f"x has {k} columns, the weight {weight.shape[1]}")
+        raise ValueError(f"{name} has {k} columns, the weight {weight.shape[1]}")
     if weight.stride(1) != 1:
         raise ValueError("the weight must be contiguous along its input dimension")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _launch(
+    x, weight, bias, out, prologue, residual=None, norm=None, residual_out=None, normed_out=None
+) -> None:
+    rows = x.shape[0]
+    n, k = weight.shape
     if rows == 0:
-        return out
+        return
     block_n, block_k, warps = tiles(n, k)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
     dependent = pdl(x)
     _gemv[(triton.cdiv(n, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,
         out,
+        residual if residual is not None else x,
+        norm_weight,
+        residual_out if residual_out is not None else out,
+        normed_out if normed_out is not None else out,
         rows,
         n,
         k,
+        eps,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        residual.stride(0) if residual is not None else 0,
         HAS_BIAS=bias is not None,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        KEEP_NORMED=normed_out is not None,
         BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -92,42 +204,175 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=warps,
         **launch_options(dependent),
     )
-    return out
 
 
 @triton.jit
-def _rows_times(acc, x, tile, start, offs_k, live_k, M, stride_x, BLOCK_M: tl.constexpr):
-    """acc[m] += x[m, start + offs_k] . tile (one slice of BLOCK_N rows), every row m."""
+def _summed(x, r, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ r) at offs, rounded to x's dtype as torch's add rounds."""
+    s = tl.load(x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        s = (s.to(tl.float32) + tl.load(r + offs, mask=mask, other=0.0).to(tl.float32)).to(
+            x.dtype.element_ty
+        )
+    return s
+
+
+@triton.jit
+def _inverse_rms(
+    x,
+    r,
+    M,
+    K,
+    eps,
+    stride_x,
+    stride_r,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """1 / sqrt(mean((x + r)^2) + eps) of every row, [BLOCK_M] (rows past M: rsqrt(eps))."""
+    offs_k = tl.arange(0, BLOCK_K)
+    m_idx = tl.arange(0, BLOCK_M)
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + offs_k
+            mask = (cols < K) & (m < M)
+            s = _summed(x + m * stride_x, r + m * stride_r, cols, mask, HAS_RESIDUAL)
+            s = s.to(tl.float32)
+            squares += s * s
+        inv = tl.where(m_idx == m, tl.math.rsqrt(tl.sum(squares, 0) / K + eps), inv)
+    return inv
+
+
+@triton.jit
+def _input(
+    x,
+    r,
+    norm_w,
+    r_out,
+    normed_out,
+    m,
+    M,
+    cols,
+    live_k,
+    K,
+    inv,
+    stride_x,
+    stride_r,
+    writer,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    KEEP_NORMED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Row m's input at columns cols, as the layer takes it (float32). The writer program
+    stores the new residual and the normed input."""
+    mask = live_k & (m < M)
+    if PROLOGUE == _GATED:
+        gate = tl.load(x + m * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x + m * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+        a = (gate * tl.sigmoid(gate) * up).to(x.dtype.element_ty)
+    elif PROLOGUE == _NORMED:
+        s = _summed(x + m * stride_x, r + m * stride_r, cols, mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(r_out + m * K + cols, s, mask=mask & writer)
+        inv_m = tl.sum(tl.where(tl.arange(0, BLOCK_M) == m, inv, 0.0), 0)
+        normed = (s.to(tl.float32) * inv_m).to(x.dtype.element_ty)
+        w = tl.load(norm_w + cols, mask=live_k, other=0.0)
+        a = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype.element_ty)
+        if KEEP_NORMED:
+            tl.store(normed_out + m * K + cols, a, mask=mask & writer)
+    else:
+        a = tl.load(x + m * stride_x + cols, mask=mask, other=0.0)
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _rows_times(
+    acc,
+    tile,
+    x,
+    r,
+    norm_w,
+    r_out,
+    normed_out,
+    M,
+    start,
+    offs_k,
+    live_k,
+    K,
+    inv,
+    stride_x,
+    stride_r,
+    writer,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    KEEP_NORMED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """acc[m] += input[m, start + offs_k] . tile (one slice of BLOCK_N rows), every row m."""
     tile = tile.to(tl.float32)
     m_idx = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
-        a = tl.load(x + m * stride_x + start + offs_k, mask=live_k & (m < M), other=0.0)
-        part = tl.sum(tile * a.to(tl.float32)[None, :], 1)
+        a = _input(
+            x,
+            r,
+            norm_w,
+            r_out,
+            normed_out,
+            m,
+            M,
+            start + offs_k,
+            live_k,
+            K,
+            inv,
+            stride_x,
+            stride_r,
+            writer,
+            PROLOGUE,
+            HAS_RESIDUAL,
+            KEEP_NORMED,
+            BLOCK_M,
+        )
+        part = tl.sum(tile * a[None, :], 1)
         acc = tl.where(m_idx[:, None] == m, acc + part[None, :], acc)
     return acc
 
 
 # (M is 1 to a few; one compiled variant serves every M of a BLOCK_M)
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "eps"])
 def _gemv(
     x,
     w,
     b,
     out,
+    r,
+    norm_w,
+    r_out,
+    normed_out,
     M,
     N,
     K,
+    eps,
     stride_x,
     stride_w,
     stride_o,
+    stride_r,
     HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    KEEP_NORMED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[m, n] = x[m] . w[n] (+ b[n]) for the BLOCK_N rows n of this program, every m < M."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[m, n] = input[m] . w[n] (+ b[n]) for the BLOCK_N rows n of this program, every
+    m < M; the input is x or made from it (PROLOGUE)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     live_n = offs_n < N
     rows = w + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
@@ -138,12 +383,58 @@ def _gemv(
         # ... then what the previous kernel wrote (x) is complete; the next kernel may start.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == _NORMED:
+        inv = _inverse_rms(x, r, M, K, eps, stride_x, stride_r, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+    writer = pid == 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _rows_times(acc, x, tile, 0, offs_k, live_k, M, stride_x, BLOCK_M)
+    acc = _rows_times(
+        acc,
+        tile,
+        x,
+        r,
+        norm_w,
+        r_out,
+        normed_out,
+        M,
+        0,
+        offs_k,
+        live_k,
+        K,
+        inv,
+        stride_x,
+        stride_r,
+        writer,
+        PROLOGUE,
+        HAS_RESIDUAL,
+        KEEP_NORMED,
+        BLOCK_M,
+    )
     for start in range(BLOCK_K, K, BLOCK_K):
         live_k = start + offs_k < K
         tile = tl.load(rows + start, mask=live_n[:, None] & live_k[None, :], other=0.0)
-        acc = _rows_times(acc, x, tile, start, offs_k, live_k, M, stride_x, BLOCK_M)
+        acc = _rows_times(
+            acc,
+            tile,
+            x,
+            r,
+            norm_w,
+            r_out,
+            normed_out,
+            M,
+            start,
+            offs_k,
+            live_k,
+            K,
+            inv,
+            stride_x,
+            stride_r,
+            writer,
+            PROLOGUE,
+            HAS_RESIDUAL,
+            KEEP_NORMED,
+            BLOCK_M,
+        )
     if HAS_BIAS:
         acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
     m_idx = tl.arange(0, BLOCK_M)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano_models.layers.activation import SiluAndMul
+from nano_models.layers.norm import RMSNorm
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.weights import WeightSource
 
@@ -76,17 +78,46 @@ class LinearBase(nn.Module):
             size = param.shape[dim]
             param.data.copy_(source.narrow(dim, self.tp.rank * size, size))
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether the product of x runs as ``gemv`` (a decode step of a few sequences on a
+        GPU), where the layer's input can be made in the product's prologue."""
+        return self.quant is None and gemv is not None and gemv.usable(x, self.weight)
+
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None
+    ) -> torch.Tensor:
+        """x W^T + b; with ``act``, x holds a gated MLP's [gate | up] halves and the input is
+        act(x), made in the product's prologue where ``gemv`` takes it."""
+        if act is not None:
+            if self.takes_gemv(x):
+                return gemv.gated_gemv(x, self.weight, bias)
+            x = act(x)
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
-        if gemv is not None and gemv.usable(
-            x, self.weight
-        ):  # (a decode step of a few sequences on a GPU)
+        if self.takes_gemv(x):
             return gemv.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, act)
+
+    def normed(
+        self,
+        norm: RMSNorm,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        keep_normed: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(self(h), s, h) with s = x + residual (x without one) and h = norm(s): the norm is
+        the product's prologue where ``gemv`` takes it, and h is then kept (written) only
+        when ``keep_normed`` (else None). For layers whose forward is their product
+        (replicated, column-parallel)."""
+        if self.tp_dim != 1 and self.takes_gemv(x) and norm.weight.dtype == x.dtype:
+            return gemv.normed_gemv(
+                x, residual, norm.weight, norm.eps, self.weight, self.bias, keep_normed
+            )
+        h, s = (norm(x), x) if residual is None else norm(x, residual)
+        return self(h), s, h
 
 
 class ReplicatedLinear(LinearBase):
@@ -187,6 +218,6 @@ class RowParallelLinear(LinearBase):
 
     tp_dim = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
+    def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
+        y = self.matmul(x, self.bias if self.tp.rank == 0 else None, act)
         return self.tp.all_reduce(y)

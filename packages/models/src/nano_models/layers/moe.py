@@ -26,6 +26,7 @@ from torch import nn
 
 from nano_models.layers.activation import silu_and_mul
 from nano_models.layers.linear import ReplicatedLinear
+from nano_models.layers.norm import RMSNorm
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.weights import WeightSource
 
@@ -165,3 +166,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x), self.top_k, self.renormalize)
+
+    def normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm in the router's prologue where
+        it can be (``LinearBase.normed``; the experts read the normed input it keeps)."""
+        logits, residual, x = self.gate.normed(norm, x, residual, keep_normed=True)
+        return self.experts(x, logits, self.top_k, self.renormalize), residual

@@ -53,18 +53,22 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext):
-        """q, k, v [T, (kv_)heads, head_dim], q and k normed and rotated; K and V stored in the
-        cache with the rotation (one kernel less per layer when fused)."""
+    def qkv(self, positions, norm: RMSNorm, x, residual, ctx: ForwardContext):
+        """From the layer's input x and residual: (q, k, v, residual). The input norm (the
+        residual added first) and the qkv projection, then q, k, v [T, (kv_)heads, head_dim],
+        q and k normed and rotated; K and V stored in the cache with the rotation (one kernel
+        less per layer when fused)."""
+        qkv, residual, _ = self.qkv_proj.normed(norm, x, residual)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        return self.rotary.split_qkv(
+        q, k, v = self.rotary.split_qkv(
             positions,
-            self.qkv_proj(x),
+            qkv,
             self.num_heads,
             self.num_kv_heads,
             *norms,
             kv_cache=self.attn.cache(ctx),
         )
+        return q, k, v, residual
 
 
 class DecoderMLP(nn.Module):
@@ -80,7 +84,15 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), act=self.act)
+
+    def normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm in the first product's prologue
+        where it can be (``LinearBase.normed``)."""
+        h, residual, _ = self.gate_up_proj.normed(norm, x, residual)
+        return self.down_proj(h, act=self.act), residual
 
 
 class DecoderLayer(nn.Module):
@@ -103,17 +115,14 @@ class DecoderLayer(nn.Module):
     def before_attention(self, positions, x, residual, ctx):
         """The input norm (the residual added first) and the attention's q, k, v (K and V to
         the cache): (q, k, v, residual)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        return *self.self_attn.qkv(positions, x, ctx), residual
+        return self.self_attn.qkv(positions, self.input_layernorm, x, residual, ctx)
 
     def after_attention(self, o, residual):
         """From the attention's output [T, heads, head_dim] (or [T, heads * head_dim]): the
-        output projection, the norm, the MLP: (x, residual) for the next layer."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o.flatten(1)), residual)
-        return self.mlp(x), residual
+        output projection, the norm, the MLP: (x, residual) for the next layer. (The MLP
+        takes the norm: at a few rows on a GPU it runs in its first product's prologue.)"""
+        x = self.self_attn.o_proj(o.flatten(1))
+        return self.mlp.normed(self.post_attention_layernorm, x, residual)
 
 
 class DecoderModel(nn.Module):
