@@ -71,24 +71,38 @@ def test_the_product_matches_float64(rows, n, k, bias, dtype):
     torch.testing.assert_close(out.double().cpu(), reference(x, w, b), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("programs", [1, 3, None])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_rows_longer_than_a_slice_are_taken_in_slices(rows, monkeypatch):
+def test_rows_longer_than_a_slice_are_taken_in_slices(rows, programs, monkeypatch):
+    """Slices of 64 values (5 a row, the last partly masked), the tiles dealt to one program,
+    to three, or to as many as the device holds."""
     monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
-    n, k = 20, 300  # (slices of 64 values: 5 of them, the last one partly masked)
-    assert tiles(n, k)[1] == 64
+    if programs is not None:
+        monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
+        monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
+    n, k = 20, 300
+    assert tiles(n, k, 8)[:2] == (1, 64)
+    if programs is not None:
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_VALUES", 0)  # (the tiles walked)
     x, w, b = operands(rows, n, k, torch.float32, seed=5, bias=True)
     torch.testing.assert_close(
         gemv(x, w, b).double().cpu(), reference(x, w, b), atol=1e-4, rtol=1e-4
     )
 
 
-def test_tiles_hold_at_most_max_tile_values_and_spread_over_the_device():
+def test_tiles_hold_at_most_max_tile_values_and_spread_over_the_programs():
     for n, k in [(5120, 2048), (2048, 4096), (128, 2048), (1024, 3072), (4096, 12288), (7, 5)]:
-        block_n, block_k, warps = tiles(n, k)
-        assert block_n * block_k <= gemv_module.MAX_TILE or block_n == 1
-        assert block_k >= min(k, gemv_module.MAX_TILE) and warps in (4, 8)
-        if block_n > 1:  # (narrowed while there were too few programs)
-            assert -(-n // block_n) >= gemv_module.MIN_PROGRAMS
+        for programs in (1, 264, 528):
+            block_n, block_k, warps, grid = tiles(n, k, programs)
+            assert block_n * block_k <= gemv_module.MAX_TILE or block_n == 1
+            assert block_k >= min(k, gemv_module.MAX_TILE) and warps in (4, 8)
+            blocks = -(-n // block_n)
+            if block_n > 1:  # (narrowed while there were fewer row blocks than programs)
+                assert blocks >= programs
+            # a program per tile for small weights, at most ``programs`` for large ones
+            assert grid == (
+                blocks if n * k <= gemv_module.ONE_WAVE_VALUES else min(blocks, programs)
+            )
 
 
 def test_which_products_it_takes():
@@ -198,10 +212,17 @@ def test_the_normed_product_matches_float64(rows, n, k, with_residual, bias, dty
     assert normed_gemv(x, residual, norm_w, 1e-6, w, b).normed is None  # (kept when asked)
 
 
+@pytest.mark.parametrize("programs", [1, None])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_a_normed_product_takes_long_rows_in_slices(rows, monkeypatch):
+def test_a_normed_product_takes_long_rows_in_slices(rows, programs, monkeypatch):
+    """The norm's sums and the product over 5 slices of 64; with one program, which also
+    writes the new residual and the normed input (once, in its first row block)."""
     monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
-    n, k = 12, 300  # (the norm's sums and the product over 5 slices of 64)
+    if programs is not None:
+        monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
+        monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_VALUES", 0)
+    n, k = 12, 300
     x, w, _ = operands(rows, n, k, torch.float32, seed=9)
     residual = torch.randn(rows, k).to(DEVICE)
     norm_w = torch.rand(k).to(DEVICE) + 0.5

@@ -4,11 +4,14 @@ sequences, in one Triton launch that streams W.
 At one to a few rows a linear layer is a read of its weights, and the time between kernels
 counts as much as the read: cuBLAS's kernels for M = 1 took 9.1 us for Qwen3-30B-A3B's qkv
 projection (21 MB) and 10.8 us for its output projection (17 MB, split-K and a reduction) in
-the model's CUDA graph. Here a program holds BLOCK_N whole rows of W (up to ``MAX_TILE``
-values; longer rows in slices), loads its first slice before anything else, then, on Hopper,
-waits for the previous kernel (programmatic dependent launch: the launch and the first weight
-reads overlap the previous kernel's end; ``nano_kvcache.launch``) and lets the next kernel
-start. Weights are the only thing read before that wait: they do not change during a forward.
+the model's CUDA graph. Here W is cut into tiles (BLOCK_N whole rows, up to ``MAX_TILE``
+values; longer rows in slices) dealt to the programs; each program loads its first tile before
+anything else, then, on Hopper, waits for the previous kernel (programmatic dependent launch:
+the launch and the first weight reads overlap the previous kernel's end;
+``nano_kvcache.launch``) and lets the next kernel start. Weights are the only thing read
+before that wait: they do not change during a forward. A small weight gets a program per tile
+(all of it in flight before the wait); a large one two programs a multiprocessor, each with
+its next tile in flight while it multiplies the current one.
 
 Every program reads all of x, so the elementwise step that makes a layer's input can run in
 the product's prologue instead of a launch of its own (a few microseconds each, and no early
@@ -28,6 +31,7 @@ runs inside CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -43,10 +47,26 @@ from nano_kvcache.launch import launch_options, pdl
 # faster for three of eleven shapes only (each x row is read again by every program).
 GEMV_ROWS = 2
 TWO_ROWS_VALUES = 1 << 23
-# Values of W one program holds at a time (its registers: 64 a thread at 8 warps).
+# Values of W in a program's tile (BLOCK_N rows x BLOCK_K of their columns), at most; rows
+# longer than MAX_TILE are taken in slices.
 MAX_TILE = 16384
-# Programs to aim for at least (two per SM of an H200), narrowing the rows a program takes.
-MIN_PROGRAMS = 264
+# A weight of up to ONE_WAVE_VALUES values is read in one wave: a program per tile, every tile
+# loaded before the wait for the previous kernel. A larger one by PROGRAMS_PER_SM programs a
+# multiprocessor, each walking its share of the tiles with the next one in flight while it
+# multiplies the current one. Measured on an H200 (benchmarks/bench_gemv.py, one row, cold
+# weights): one wave is 15-20% faster up to 4.2 M values (Qwen3-0.6B's o, down and qkv
+# projections), the walk 6-20% faster from 6.3 M (Qwen3-0.6B's gate/up, every Qwen3-8B and
+# -30B-A3B layer; 2 programs a multiprocessor and 16 K-value tiles beat 1 or 4 and 8 K).
+ONE_WAVE_VALUES = 1 << 22
+PROGRAMS_PER_SM = 2
+
+
+class Tiles(NamedTuple):
+    block_n: int
+    block_k: int
+    warps: int
+    grid: int
+
 
 # What the program computes its input from (a kernel's globals must be constexpr objects).
 _PLAIN = tl.constexpr(0)  # x itself
@@ -77,13 +97,28 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def tiles(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of an [n, k] weight."""
+def tiles(n: int, k: int, programs: int) -> Tiles:
+    """How an [n, k] weight is dealt to at most ``programs`` programs (a wave): tiles of up to
+    MAX_TILE values, narrowed while there would be fewer row blocks than programs; a program
+    per tile up to ONE_WAVE_VALUES values, else ``programs`` of them."""
     block_k = min(triton.next_power_of_2(k), MAX_TILE)
     block_n = max(1, min(8, MAX_TILE // block_k))
-    while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS:
+    while block_n > 1 and triton.cdiv(n, block_n) < programs:
         block_n //= 2
-    return block_n, block_k, 8 if block_n * block_k >= MAX_TILE else 4
+    blocks = triton.cdiv(n, block_n)
+    one_wave = n * k <= ONE_WAVE_VALUES
+    tile = block_n * block_k
+    warps = 8 if tile >= MAX_TILE or (not one_wave and tile >= MAX_TILE // 2) else 4
+    return Tiles(block_n, block_k, warps, blocks if one_wave else min(blocks, programs))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,10 +208,10 @@ def _launch(
     n, k = weight.shape
     if rows == 0:
         return
-    block_n, block_k, warps = tiles(n, k)
+    block_n, block_k, warps, grid = tiles(n, k, _multiprocessors(x.device) * PROGRAMS_PER_SM)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     dependent = pdl(x)
-    _gemv[(triton.cdiv(n, block_n),)](
+    _gemv[(grid,)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -197,6 +232,8 @@ def _launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         KEEP_NORMED=normed_out is not None,
+        HOIST=rows <= 2 and k <= block_k,
+        WALK=grid < triton.cdiv(n, block_n),
         BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -364,21 +401,25 @@ def _gemv(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     KEEP_NORMED: tl.constexpr,
+    HOIST: tl.constexpr,
+    WALK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[m, n] = input[m] . w[n] (+ b[n]) for the BLOCK_N rows n of this program, every
-    m < M; the input is x or made from it (PROLOGUE)."""
+    """out[m, n] = input[m] . w[n] (+ b[n]) for every m < M, the input x or made from it
+    (PROLOGUE). The tiles (a block of BLOCK_N rows, a slice of BLOCK_K columns) are dealt to the
+    programs in turn: program p takes row blocks p, p + programs, ..., each slice by slice."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    programs = tl.num_programs(0)
+    slices = tl.cdiv(K, BLOCK_K)
+    count = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * slices  # (this program's tiles)
     offs_k = tl.arange(0, BLOCK_K)
-    live_n = offs_n < N
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    live_k = offs_k < K
-    # The first slice of the rows (weights: nothing a kernel before this one writes) ...
-    tile = tl.load(rows, mask=live_n[:, None] & live_k[None, :], other=0.0)
+    block = tl.arange(0, BLOCK_N)
+    m_idx = tl.arange(0, BLOCK_M)
+    # The first tile (weights: nothing a kernel before this one writes) ...
+    tile = _tile(w, pid * BLOCK_N + block, offs_k, N, K, stride_w, True)
     if PDL:
         # ... then what the previous kernel wrote (x) is complete; the next kernel may start.
         tl.extra.cuda.gdc_wait()
@@ -386,57 +427,105 @@ def _gemv(
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == _NORMED:
         inv = _inverse_rms(x, r, M, K, eps, stride_x, stride_r, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
-    writer = pid == 0
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _rows_times(
-        acc,
-        tile,
-        x,
-        r,
-        norm_w,
-        r_out,
-        normed_out,
-        M,
-        0,
-        offs_k,
-        live_k,
-        K,
-        inv,
-        stride_x,
-        stride_r,
-        writer,
-        PROLOGUE,
-        HAS_RESIDUAL,
-        KEEP_NORMED,
-        BLOCK_M,
-    )
-    for start in range(BLOCK_K, K, BLOCK_K):
-        live_k = start + offs_k < K
-        tile = tl.load(rows + start, mask=live_n[:, None] & live_k[None, :], other=0.0)
-        acc = _rows_times(
-            acc,
-            tile,
+    if HOIST:  # (one or two rows of one slice: the input made once, kept for every tile)
+        live_k = offs_k < K
+        a0 = _input(
             x,
             r,
             norm_w,
             r_out,
             normed_out,
+            0,
             M,
-            start,
             offs_k,
             live_k,
             K,
             inv,
             stride_x,
             stride_r,
-            writer,
+            pid == 0,
             PROLOGUE,
             HAS_RESIDUAL,
             KEEP_NORMED,
             BLOCK_M,
         )
-    if HAS_BIAS:
-        acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
-    m_idx = tl.arange(0, BLOCK_M)
-    ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(m_idx < M)[:, None] & live_n[None, :])
+        a1 = a0
+        if BLOCK_M == 2:
+            a1 = _input(
+                x,
+                r,
+                norm_w,
+                r_out,
+                normed_out,
+                1,
+                M,
+                offs_k,
+                live_k,
+                K,
+                inv,
+                stride_x,
+                stride_r,
+                pid == 0,
+                PROLOGUE,
+                HAS_RESIDUAL,
+                KEEP_NORMED,
+                BLOCK_M,
+            )
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(count):
+        nxt = t + 1
+        next_rows = (pid + nxt // slices * programs) * BLOCK_N + block
+        next_cols = nxt % slices * BLOCK_K + offs_k
+        if WALK:  # (the next tile in flight while this one is multiplied)
+            following = _tile(w, next_rows, next_cols, N, K, stride_w, nxt < count)
+        start = t % slices * BLOCK_K
+        if HOIST:
+            values = tile.to(tl.float32)
+            part = tl.sum(values * a0[None, :], 1)
+            acc = tl.where(m_idx[:, None] == 0, acc + part[None, :], acc)
+            if BLOCK_M == 2:
+                part = tl.sum(values * a1[None, :], 1)
+                acc = tl.where(m_idx[:, None] == 1, acc + part[None, :], acc)
+        else:
+            acc = _rows_times(
+                acc,
+                tile,
+                x,
+                r,
+                norm_w,
+                r_out,
+                normed_out,
+                M,
+                start,
+                offs_k,
+                start + offs_k < K,
+                K,
+                inv,
+                stride_x,
+                stride_r,
+                (pid == 0) & (t < slices),
+                PROLOGUE,
+                HAS_RESIDUAL,
+                KEEP_NORMED,
+                BLOCK_M,
+            )
+        if start + BLOCK_K >= K:  # (the block's last slice: its outputs are complete)
+            offs_n = (pid + t // slices * programs) * BLOCK_N + block
+            live_n = offs_n < N
+            if HAS_BIAS:
+                acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
+            ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+            mask = (m_idx < M)[:, None] & live_n[None, :]
+            tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if WALK:  # noqa: SIM108 (a ternary would name a tile that does not exist)
+            tile = following
+        else:  # (a program per tile: only slices follow, and no registers held for them)
+            tile = _tile(w, next_rows, next_cols, N, K, stride_w, nxt < count)
+
+
+@triton.jit
+def _tile(w, offs_n, cols, N, K, stride_w, live):
+    """W's rows offs_n at columns cols, [BLOCK_N, BLOCK_K] (zeros where not live)."""
+    rows = w + offs_n.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    return tl.load(rows, mask=((offs_n < N)[:, None] & (cols < K)[None, :]) & live, other=0.0)
