@@ -81,7 +81,7 @@ def test_rows_longer_than_a_slice_are_taken_in_slices(rows, programs, monkeypatc
         monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
         monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
     n, k = 20, 300
-    assert tiles(n, k, 8)[:2] == (1, 64)
+    assert tiles(n, k, 4)[:2] == (1, 64)
     if programs is not None:
         monkeypatch.setattr(gemv_module, "ONE_WAVE_VALUES", 0)  # (the tiles walked)
     x, w, b = operands(rows, n, k, torch.float32, seed=5, bias=True)
@@ -92,17 +92,17 @@ def test_rows_longer_than_a_slice_are_taken_in_slices(rows, programs, monkeypatc
 
 def test_tiles_hold_at_most_max_tile_values_and_spread_over_the_programs():
     for n, k in [(5120, 2048), (2048, 4096), (128, 2048), (1024, 3072), (4096, 12288), (7, 5)]:
-        for programs in (1, 264, 528):
-            block_n, block_k, warps, grid = tiles(n, k, programs)
+        for multiprocessors in (1, 132):
+            block_n, block_k, warps, grid = tiles(n, k, multiprocessors)
+            programs = multiprocessors * gemv_module.PROGRAMS_PER_SM
             assert block_n * block_k <= gemv_module.MAX_TILE or block_n == 1
             assert block_k >= min(k, gemv_module.MAX_TILE) and warps in (4, 8)
             blocks = -(-n // block_n)
             if block_n > 1:  # (narrowed while there were fewer row blocks than programs)
                 assert blocks >= programs
             # a program per tile for small weights, at most ``programs`` for large ones
-            assert grid == (
-                blocks if n * k <= gemv_module.ONE_WAVE_VALUES else min(blocks, programs)
-            )
+            small = n * k <= gemv_module.ONE_WAVE_VALUES * multiprocessors
+            assert grid == (blocks if small else min(blocks, programs))
 
 
 def test_which_products_it_takes():

@@ -50,14 +50,15 @@ TWO_ROWS_VALUES = 1 << 23
 # Values of W in a program's tile (BLOCK_N rows x BLOCK_K of their columns), at most; rows
 # longer than MAX_TILE are taken in slices.
 MAX_TILE = 16384
-# A weight of up to ONE_WAVE_VALUES values is read in one wave: a program per tile, every tile
-# loaded before the wait for the previous kernel. A larger one by PROGRAMS_PER_SM programs a
-# multiprocessor, each walking its share of the tiles with the next one in flight while it
-# multiplies the current one. Measured on an H200 (benchmarks/bench_gemv.py, one row, cold
-# weights): one wave is 15-20% faster up to 4.2 M values (Qwen3-0.6B's o, down and qkv
-# projections), the walk 6-20% faster from 6.3 M (Qwen3-0.6B's gate/up, every Qwen3-8B and
-# -30B-A3B layer; 2 programs a multiprocessor and 16 K-value tiles beat 1 or 4 and 8 K).
-ONE_WAVE_VALUES = 1 << 22
+# A weight of up to ONE_WAVE_VALUES values a multiprocessor is read in one wave: a program per
+# tile, every tile loaded before the wait for the previous kernel. A larger one by
+# PROGRAMS_PER_SM programs a multiprocessor, each walking its share of the tiles with the next
+# one in flight while it multiplies the current one. Measured on an H200 (132 SMs;
+# benchmarks/bench_gemv.py, one row, cold weights, and the engine at batch 1): one wave is as
+# fast or faster up to 6.3 M values (every Qwen3-0.6B layer), the walk 4-18% faster from 8.4 M
+# (every Qwen3-8B and -30B-A3B layer; 2 programs a multiprocessor and 16 K-value tiles beat 1
+# or 4 and 8 K).
+ONE_WAVE_VALUES = 48 * 1024
 PROGRAMS_PER_SM = 2
 
 
@@ -97,16 +98,17 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def tiles(n: int, k: int, programs: int) -> Tiles:
-    """How an [n, k] weight is dealt to at most ``programs`` programs (a wave): tiles of up to
-    MAX_TILE values, narrowed while there would be fewer row blocks than programs; a program
-    per tile up to ONE_WAVE_VALUES values, else ``programs`` of them."""
+def tiles(n: int, k: int, multiprocessors: int) -> Tiles:
+    """How an [n, k] weight is dealt to the programs: tiles of up to MAX_TILE values, narrowed
+    while there would be fewer row blocks than programs in a wave; a program per tile up to
+    ONE_WAVE_VALUES values a multiprocessor, else PROGRAMS_PER_SM a multiprocessor."""
+    programs = multiprocessors * PROGRAMS_PER_SM
     block_k = min(triton.next_power_of_2(k), MAX_TILE)
     block_n = max(1, min(8, MAX_TILE // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < programs:
         block_n //= 2
     blocks = triton.cdiv(n, block_n)
-    one_wave = n * k <= ONE_WAVE_VALUES
+    one_wave = n * k <= ONE_WAVE_VALUES * multiprocessors
     tile = block_n * block_k
     warps = 8 if tile >= MAX_TILE or (not one_wave and tile >= MAX_TILE // 2) else 4
     return Tiles(block_n, block_k, warps, blocks if one_wave else min(blocks, programs))
@@ -208,7 +210,7 @@ def _launch(
     n, k = weight.shape
     if rows == 0:
         return
-    block_n, block_k, warps, grid = tiles(n, k, _multiprocessors(x.device) * PROGRAMS_PER_SM)
+    block_n, block_k, warps, grid = tiles(n, k, _multiprocessors(x.device))
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     dependent = pdl(x)
     _gemv[(grid,)](
