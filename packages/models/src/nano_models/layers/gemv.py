@@ -411,15 +411,11 @@ def _gemv(
     PDL: tl.constexpr,
 ):
     """out[m, n] = input[m] . w[n] (+ b[n]) for every m < M, the input x or made from it
-    (PROLOGUE). The tiles (a block of BLOCK_N rows, a slice of BLOCK_K columns) are dealt to the
-    programs in turn: program p takes row blocks p, p + programs, ..., each slice by slice."""
+    (PROLOGUE). W's tiles are a block of BLOCK_N rows by a slice of BLOCK_K columns: a program
+    per row block, or (WALK) fewer programs, each walking several (``_walk``)."""
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    slices = tl.cdiv(K, BLOCK_K)
-    count = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * slices  # (this program's tiles)
     offs_k = tl.arange(0, BLOCK_K)
     block = tl.arange(0, BLOCK_N)
-    m_idx = tl.arange(0, BLOCK_M)
     # The first tile (weights: nothing a kernel before this one writes) ...
     tile = _tile(w, pid * BLOCK_N + block, offs_k, N, K, stride_w, True)
     if PDL:
@@ -429,7 +425,127 @@ def _gemv(
     inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == _NORMED:
         inv = _inverse_rms(x, r, M, K, eps, stride_x, stride_r, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
-    if HOIST:  # (one or two rows of one slice: the input made once, kept for every tile)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if WALK:
+        _walk(
+            acc,
+            tile,
+            x,
+            w,
+            b,
+            out,
+            r,
+            norm_w,
+            r_out,
+            normed_out,
+            M,
+            N,
+            K,
+            inv,
+            stride_x,
+            stride_w,
+            stride_o,
+            stride_r,
+            HAS_BIAS,
+            PROLOGUE,
+            HAS_RESIDUAL,
+            KEEP_NORMED,
+            HOIST,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+    else:  # (a program per row block, slice after slice)
+        offs_n = pid * BLOCK_N + block
+        acc = _rows_times(
+            acc,
+            tile,
+            x,
+            r,
+            norm_w,
+            r_out,
+            normed_out,
+            M,
+            0,
+            offs_k,
+            offs_k < K,
+            K,
+            inv,
+            stride_x,
+            stride_r,
+            pid == 0,
+            PROLOGUE,
+            HAS_RESIDUAL,
+            KEEP_NORMED,
+            BLOCK_M,
+        )
+        for start in range(BLOCK_K, K, BLOCK_K):
+            tile = _tile(w, offs_n, start + offs_k, N, K, stride_w, True)
+            acc = _rows_times(
+                acc,
+                tile,
+                x,
+                r,
+                norm_w,
+                r_out,
+                normed_out,
+                M,
+                start,
+                offs_k,
+                start + offs_k < K,
+                K,
+                inv,
+                stride_x,
+                stride_r,
+                pid == 0,
+                PROLOGUE,
+                HAS_RESIDUAL,
+                KEEP_NORMED,
+                BLOCK_M,
+            )
+        _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS, BLOCK_M)
+
+
+@triton.jit
+def _walk(
+    acc,
+    tile,
+    x,
+    w,
+    b,
+    out,
+    r,
+    norm_w,
+    r_out,
+    normed_out,
+    M,
+    N,
+    K,
+    inv,
+    stride_x,
+    stride_w,
+    stride_o,
+    stride_r,
+    HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    KEEP_NORMED: tl.constexpr,
+    HOIST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """This program's tiles, row blocks pid, pid + programs, ..., each slice by slice (tile:
+    the first, loaded), the next tile in flight while it multiplies the current one. With
+    HOIST (one or two rows of one slice) the input is made once and kept for every tile."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    slices = tl.cdiv(K, BLOCK_K)
+    count = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * slices
+    offs_k = tl.arange(0, BLOCK_K)
+    block = tl.arange(0, BLOCK_N)
+    m_idx = tl.arange(0, BLOCK_M)
+    if HOIST:
         live_k = offs_k < K
         a0 = _input(
             x,
@@ -473,13 +589,17 @@ def _gemv(
                 KEEP_NORMED,
                 BLOCK_M,
             )
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(count):
         nxt = t + 1
-        next_rows = (pid + nxt // slices * programs) * BLOCK_N + block
-        next_cols = nxt % slices * BLOCK_K + offs_k
-        if WALK:  # (the next tile in flight while this one is multiplied)
-            following = _tile(w, next_rows, next_cols, N, K, stride_w, nxt < count)
+        following = _tile(
+            w,
+            (pid + nxt // slices * programs) * BLOCK_N + block,
+            nxt % slices * BLOCK_K + offs_k,
+            N,
+            K,
+            stride_w,
+            nxt < count,
+        )
         start = t % slices * BLOCK_K
         if HOIST:
             values = tile.to(tl.float32)
@@ -513,17 +633,20 @@ def _gemv(
             )
         if start + BLOCK_K >= K:  # (the block's last slice: its outputs are complete)
             offs_n = (pid + t // slices * programs) * BLOCK_N + block
-            live_n = offs_n < N
-            if HAS_BIAS:
-                acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
-            ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-            mask = (m_idx < M)[:, None] & live_n[None, :]
-            tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
+            _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if WALK:  # noqa: SIM108 (a ternary would name a tile that does not exist)
-            tile = following
-        else:  # (a program per tile: only slices follow, and no registers held for them)
-            tile = _tile(w, next_rows, next_cols, N, K, stride_w, nxt < count)
+        tile = following
+
+
+@triton.jit
+def _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out[m, offs_n] = acc (+ b[offs_n]) for the rows m < M."""
+    m_idx = tl.arange(0, BLOCK_M)
+    live_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
+    ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(m_idx < M)[:, None] & live_n[None, :])
 
 
 @triton.jit
