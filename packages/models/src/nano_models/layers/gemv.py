@@ -116,6 +116,8 @@ def tiles(n: int, k: int, multiprocessors: int) -> Tiles:
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors; on the CPU (Triton's interpreter, tests) a small stand-in,
+    so that the tiles are dealt to several programs there too."""
     return (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
