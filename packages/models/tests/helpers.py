@@ -7,7 +7,7 @@ import random
 import torch
 
 from nano_kvcache.layout import KVCacheLayout
-from nano_models import ForwardContext
+from nano_models import ForwardContext, get_attention_backend
 from nano_models.loader import load_model
 
 BLOCK_SIZE = 4
@@ -24,6 +24,7 @@ class PagedRunner:
         dtype=torch.float32,
         seed: int = 0,
         device: str = "cpu",
+        backend: str = "torch",
     ):
         kwargs = {"tp": tp} if tp is not None else {}
         self.device = device
@@ -33,7 +34,7 @@ class PagedRunner:
         layout = KVCacheLayout(cfg.num_hidden_layers, heads, cfg.head_dim, BLOCK_SIZE, dtype)
         self.cache = layout.allocate(num_blocks, device)
         self.cache.fill_(float("nan"))  # poisoned: reading an unwritten slot shows
-        self.model.bind_kv_cache(self.cache)
+        self.model.bind_kv_cache(self.cache, get_attention_backend(backend))
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}

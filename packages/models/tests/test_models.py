@@ -4,6 +4,8 @@ decode steps."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import PagedRunner, prompts, reference_logits
@@ -70,9 +72,20 @@ def test_logits_match_transformers_on_cuda(checkpoint):
     compare_with_transformers(checkpoint, "cuda")
 
 
-def compare_with_transformers(checkpoint, device):
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a CUDA GPU (or TRITON_INTERPRET=1)",
+)
+def test_logits_match_transformers_with_the_triton_backend(checkpoint):
+    """The Triton attention kernels (prefill over the cache, the split decode and its merge)
+    inside whole models, in fp32 (on the CPU: Triton's interpreter, about 15 minutes)."""
+    compare_with_transformers(checkpoint, "cuda" if torch.cuda.is_available() else "cpu", "triton")
+
+
+def compare_with_transformers(checkpoint, device, backend="torch"):
     hf = load_reference(checkpoint)
-    ours = PagedRunner(checkpoint, device=device)
+    ours = PagedRunner(checkpoint, device=device, backend=backend)
     cfg = ours.model.config
     seqs = prompts(8, cfg.vocab_size)
     logits = ours.step([(i, s, 0) for i, s in enumerate(seqs)], num_prefills=len(seqs))
