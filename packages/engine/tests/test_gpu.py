@@ -163,6 +163,31 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
         assert [o.outputs[0].token_ids for o in outputs] == expected, options
 
 
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_path, scheme):
+    """Decode steps of one sequence, whose linear layers are the few-row product reading the
+    e4m3 weights and their scales (quantization="fp8"; an FP8 checkpoint, in bf16), against
+    the bf16 engine on the weights they stand for: vLLM's check_logprobs_close."""
+    from nano_engine.accuracy import compare
+    from nano_models.testing import fp8_checkpoint
+
+    source = checkpoints("qwen3", dtype=torch.bfloat16)
+    if scheme == "channel":
+        pair = [(source, {}), (source, {"quantization": "fp8"})]
+    else:
+        path, plain = fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "plain", (16, 16))
+        pair = [(str(plain), {}), (str(path), {})]
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5, ignore_eos=True)
+    runs = []
+    for path, options in pair:
+        options |= {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 1}
+        with LLM(path, gpu_memory_utilization=0.3, **options) as llm:
+            runs.append(llm.generate(sample_prompts(), params, use_tqdm=False))
+    agreement = compare(*runs, k=5)
+    assert agreement.passed, agreement.summary()
+    assert agreement.positions >= 8 * 4
+
+
 @pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
 @pytest.mark.parametrize("what", ["weights", "weights+cache"])
 def test_fp8_weights_keep_bf16s_top5(checkpoints, model, what):

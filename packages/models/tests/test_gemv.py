@@ -1,6 +1,7 @@
 """The few-row linear product (``gemv``) against float64 torch: rows 1 to 4 and more, outputs
-no tile divides, rows longer than one slice, a bias; which products the linear layers give it;
-bad input; the prologues that make the input (RMSNorm with the residual add, SiLU-and-mul).
+no tile divides, rows longer than one slice, a bias; e4m3 weights with a scale a row or a row
+and block of columns; which products the linear layers give it (FP8 layers too); bad input;
+the prologues that make the input (RMSNorm with the residual add, SiLU-and-mul).
 On the GPU also bf16 and fp16, and CUDA graphs in which it follows a kernel that
 writes its input and feeds another (programmatic dependent launch on Hopper). GPU-marked; with
 TRITON_INTERPRET=1 (float32) it also runs on the CPU."""
@@ -16,13 +17,27 @@ pytest.importorskip("triton")
 
 from nano_models.layers import gemv as gemv_module
 from nano_models.layers.activation import SiluAndMul
-from nano_models.layers.gemv import GEMV_ROWS, gated_gemv, gemv, normed_gemv, tiles, usable
+from nano_models.layers.gemv import (
+    GEMV_ROWS,
+    Scales,
+    gated_gemv,
+    gemv,
+    normed_gemv,
+    tiles,
+    usable,
+)
 from nano_models.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
 from nano_models.layers.norm import RMSNorm
+from nano_models.quantization import (
+    Fp8Config,
+    dequantize,
+    prepare_block_fp8,
+    quantize_channel_fp8,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,38 +86,111 @@ def test_the_product_matches_float64(rows, n, k, bias, dtype):
     torch.testing.assert_close(out.double().cpu(), reference(x, w, b), **tolerance(dtype))
 
 
+def fp8_weight(n, k, block, seed):
+    """An e4m3 weight [n, k] (values over its whole range) and float32 scales per ``block``
+    columns, and the float64 weight they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    w8 = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    values = torch.rand(n, -(-k // block), generator=g) * 0.01 + 1e-4
+    dense = w8.double() * values.double().repeat_interleave(block, dim=1)[:, :k]
+    return w8.to(DEVICE), Scales(values.to(DEVICE), block), dense
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,n,k,block,bias",
+    [
+        (1, 64, 256, 256, False),  # (a scale a row)
+        (2, 37, 100, 100, True),
+        (1, 96, 384, 128, True),  # (blocks of 128 columns)
+        (2, 50, 300, 48, False),  # (blocks of 48: cut in 16s; the last one short)
+        (3, 40, 256, 64, True),
+        (1, 130, 1000, 1000, False),
+    ],
+)
+def test_e4m3_weights_with_their_scales_match_float64(rows, n, k, block, bias, dtype):
+    x, _, b = operands(rows, n, k, dtype, seed=rows + n * k, bias=bias)
+    w8, scales, dense = fp8_weight(n, k, block, seed=n + k)
+    out = gemv(x, w8, b, scales)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out.double().cpu(), reference(x, dense, b), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("programs", [1, None])
+@pytest.mark.parametrize("block", [32, 300])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_e4m3_weights_in_slices_walked_with_the_norm_and_activation(
+    rows, block, programs, monkeypatch
+):
+    """Slices of 64 e4m3 values (two scale blocks of 32 each, or one scale a row), walked by
+    one program or dealt a program each; the normed and gated prologues."""
+    monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
+    if programs is not None:
+        monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
+        monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_BYTES", 0)
+    n, k = 20, 300
+    x, _, b = operands(rows, n, k, torch.float32, seed=11, bias=True)
+    w8, scales, dense = fp8_weight(n, k, block, seed=block)
+    torch.testing.assert_close(
+        gemv(x, w8, b, scales).double().cpu(), reference(x, dense, b), atol=1e-4, rtol=1e-4
+    )
+    residual = torch.randn(rows, k).to(DEVICE)
+    norm_w = torch.rand(k).to(DEVICE) + 0.5
+    out, _, _ = normed_gemv(x, residual, norm_w, 1e-5, w8, scales=scales)
+    h = rms_normed(x.double().cpu() + residual.double().cpu(), norm_w, 1e-5)
+    torch.testing.assert_close(out.double().cpu(), reference(h, dense), atol=1e-4, rtol=1e-4)
+    gate_up = torch.randn(rows, 2 * k).to(DEVICE)
+    gate, up = gate_up.double().cpu().chunk(2, dim=-1)
+    torch.testing.assert_close(
+        gated_gemv(gate_up, w8, scales=scales).double().cpu(),
+        reference(gate * torch.sigmoid(gate) * up, dense),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
 @pytest.mark.parametrize("programs", [1, 3, None])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_rows_longer_than_a_slice_are_taken_in_slices(rows, programs, monkeypatch):
     """Slices of 64 values (5 a row, the last partly masked), the tiles dealt to one program,
     to three, or to as many as the device holds."""
-    monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
+    monkeypatch.setattr(gemv_module, "MAX_TILE", 64 * 4)  # (bytes: 64 float32 values)
     if programs is not None:
         monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
         monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
     n, k = 20, 300
-    assert tiles(n, k, 4)[:2] == (1, 64)
+    assert tiles(n, k, 4, element_size=4)[:2] == (1, 64)
     if programs is not None:
-        monkeypatch.setattr(gemv_module, "ONE_WAVE_VALUES", 0)  # (the tiles walked)
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_BYTES", 0)  # (the tiles walked)
     x, w, b = operands(rows, n, k, torch.float32, seed=5, bias=True)
     torch.testing.assert_close(
         gemv(x, w, b).double().cpu(), reference(x, w, b), atol=1e-4, rtol=1e-4
     )
 
 
-def test_tiles_hold_at_most_max_tile_values_and_spread_over_the_programs():
+@pytest.mark.parametrize("size", [2, 1])
+def test_tiles_hold_at_most_max_tile_bytes_and_spread_over_the_programs(size):
     for n, k in [(5120, 2048), (2048, 4096), (128, 2048), (1024, 3072), (4096, 12288), (7, 5)]:
         for multiprocessors in (1, 132):
-            block_n, block_k, warps, grid = tiles(n, k, multiprocessors)
+            block_n, block_k, warps, grid, block_s = tiles(n, k, multiprocessors, size)
             programs = multiprocessors * gemv_module.PROGRAMS_PER_SM
-            assert block_n * block_k <= gemv_module.MAX_TILE or block_n == 1
-            assert block_k >= min(k, gemv_module.MAX_TILE) and warps in (4, 8)
+            values = gemv_module.MAX_TILE // size
+            assert block_n * block_k <= values or block_n == 1
+            assert block_k >= min(k, values) and warps in (4, 8) and block_s == 0
             blocks = -(-n // block_n)
             if block_n > 1:  # (narrowed while there were fewer row blocks than programs)
                 assert blocks >= programs
             # a program per tile for small weights, at most ``programs`` for large ones
-            small = n * k <= gemv_module.ONE_WAVE_VALUES * multiprocessors
+            small = n * k * size <= gemv_module.ONE_WAVE_BYTES * multiprocessors
             assert grid == (blocks if small else min(blocks, programs))
+
+
+def test_tiles_of_block_scaled_weights_are_cut_in_whole_scale_blocks():
+    assert tiles(6144, 4096, 132, 1, 128)[1::3] == (4096, 128)  # (32 blocks of 128 a slice)
+    assert tiles(64, 96, 4, 1, 32)[1::3] == (128, 32)
+    assert tiles(64, 300, 4, 1, 48)[1::3] == (512, 16)  # (48: blocks of 16, never across two)
+    assert tiles(64, 100, 4, 1, 128).block_s == 0  # (one scale a row: applied to its sum)
 
 
 def test_which_products_it_takes():
@@ -114,7 +202,7 @@ def test_which_products_it_takes():
         assert usable(x, w)
         assert usable(torch.empty(GEMV_ROWS, 16, dtype=torch.bfloat16, device="cuda"), w)
         assert not usable(torch.empty(GEMV_ROWS + 1, 16, dtype=torch.bfloat16, device="cuda"), w)
-        big = torch.empty(gemv_module.TWO_ROWS_VALUES // 64 + 1, 64, device="cuda").bfloat16()
+        big = torch.empty(gemv_module.TWO_ROWS_BYTES // 128 + 1, 64, device="cuda").bfloat16()
         two = torch.empty(2, 64, dtype=torch.bfloat16, device="cuda")
         assert usable(two[:1], big) and not usable(two, big)  # (two rows: small weights only)
         assert not usable(x.float(), w.float())  # (float32: cuBLAS)
@@ -128,6 +216,24 @@ def test_bad_input_is_refused():
         gemv(x, w[:, :12].contiguous())
     with pytest.raises(ValueError, match="contiguous along its input"):
         gemv(x, w.t().contiguous().t())
+
+
+def test_bad_scales_are_refused():
+    x, _, _ = operands(1, 8, 64, torch.float32, seed=1)
+    w8, scales, _ = fp8_weight(8, 64, 32, seed=1)
+    with pytest.raises(ValueError, match="comes with its scales"):
+        gemv(x, w8)
+    with pytest.raises(ValueError, match="comes with its scales"):
+        gemv(x, w8.float(), scales=scales)
+    with pytest.raises(ValueError, match=r"takes scales \[8, 2\], got \[8, 3\]"):
+        gemv(x, w8, scales=Scales(torch.ones(8, 3, device=DEVICE), 32))
+    with pytest.raises(ValueError, match="must be float32"):
+        gemv(x, w8, scales=Scales(scales.values.double(), 32))
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        gemv(x, w8, scales=Scales(torch.ones(8, 3, device=DEVICE), 24))
+    odd, odd_scales, _ = fp8_weight(8, 62, 62, seed=2)
+    with pytest.raises(ValueError, match="multiples of 4, got 62 columns"):
+        gemv(x[:, :62], odd, scales=odd_scales)
 
 
 def test_no_rows_give_an_empty_output():
@@ -149,6 +255,58 @@ def test_a_linear_layer_of_a_few_rows_matches_torch(rows, monkeypatch):
         layer(x).double().cpu(), reference(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2
     )
     assert calls == ([rows] if rows <= GEMV_ROWS else [])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the linear layers take it on a GPU only")
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1])
+def test_fp8_layers_of_a_few_rows_take_it_with_their_prologues(rows, scheme, monkeypatch):
+    """FP8 layers (quantization="fp8": a scale a row; a checkpoint's 128 x 128 blocks): up to
+    GEMV_ROWS rows ``gemv`` reads the e4m3 weight and its scales, the norm and SiLU-and-mul in
+    its prologue; past that the layer's own FP8 product. Both against float64 products of the
+    weights the FP8 ones stand for."""
+    torch.manual_seed(rows)
+    norm = RMSNorm(512, eps=1e-6).to("cuda", torch.bfloat16)
+    norm.weight.uniform_(0.5, 1.5)
+    model = torch.nn.ModuleDict(
+        {
+            "up": MergedColumnParallelLinear(512, [384, 384], bias=False),
+            "down": RowParallelLinear(384, 512, bias=True),
+        }
+    ).to("cuda", torch.bfloat16)
+    for layer in model.values():
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(model["down"].bias)
+    if scheme == "channel":
+        quantize_channel_fp8(model, Fp8Config("channel"))
+    else:
+        config = Fp8Config("block", (128, 128))
+        prepare_block_fp8(model, config)
+        for layer in model.values():
+            g = torch.Generator().manual_seed(layer.weight.shape[0])
+            w = (torch.randn(layer.weight.shape, generator=g) * 100).clamp(-448, 448)
+            layer.weight.data.copy_(w.to(torch.float8_e4m3fn))
+            layer.weight_scale_inv.data.uniform_(1e-4, 1e-3)
+    up, down = model["up"], model["down"]
+    calls = []
+    real = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+
+    h, s, normed = up.normed(norm, x, residual, keep_normed=True)
+    normed_ref, s_ref = norm(x, residual)
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(normed, normed_ref, atol=0, rtol=2**-7)
+    tol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(h.double().cpu(), reference(normed_ref, dequantize(up)), **tol)
+    act = SiluAndMul()
+    torch.testing.assert_close(
+        down(h, act=act).double().cpu(),
+        reference(act(h), dequantize(down), down.bias),
+        **tol,
+    )
+    assert len(calls) == (2 if rows <= GEMV_ROWS else 0)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
@@ -217,11 +375,11 @@ def test_the_normed_product_matches_float64(rows, n, k, with_residual, bias, dty
 def test_a_normed_product_takes_long_rows_in_slices(rows, programs, monkeypatch):
     """The norm's sums and the product over 5 slices of 64; with one program, which also
     writes the new residual and the normed input (once, in its first row block)."""
-    monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
+    monkeypatch.setattr(gemv_module, "MAX_TILE", 64 * 4)  # (bytes: 64 float32 values)
     if programs is not None:
         monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
         monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
-        monkeypatch.setattr(gemv_module, "ONE_WAVE_VALUES", 0)
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_BYTES", 0)
     n, k = 12, 300
     x, w, _ = operands(rows, n, k, torch.float32, seed=9)
     residual = torch.randn(rows, k).to(DEVICE)

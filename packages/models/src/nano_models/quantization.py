@@ -18,8 +18,11 @@ the activations' dtype, at many, on FP8 tensor cores with the activations rounde
 token and block of columns (as the checkpoints' dynamic activation scales are); per channel,
 ``torch._scaled_mm`` (FP8 tensor cores, on GPUs of compute capability 8.9 and later) with the
 activations rounded per token (one Triton launch, ``nano_models.layers.fp8_quant``) and the
-weight's scales. Elsewhere (the CPU) both compute in float32 from the dequantized weights, the
-block scheme without rounding the activations: the reference the GPU paths are tested against.
+weight's scales. At one or two rows on CUDA (a decode step of one or two sequences) both run
+as ``nano_models.layers.gemv``: the e4m3 weight widened in registers and each block's or row's
+sum scaled, the activations as they are, the layer's norm or SiLU-and-mul in its prologue.
+Elsewhere (the CPU) both compute in float32 from the dequantized weights, the block scheme
+without rounding the activations: the reference the GPU paths are tested against.
 """
 
 from __future__ import annotations
@@ -242,6 +245,10 @@ class BlockFp8:
     def __init__(self, block: int) -> None:
         self.block = block  # input columns per scale
 
+    def scales(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
+        """The weight's scales [out, ceil(in / block)] and the columns a scale covers."""
+        return layer.weight_scale_inv, self.block
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -269,6 +276,10 @@ class ChannelFp8:
     """A per-channel e4m3 weight times per-token e4m3 activations: torch._scaled_mm on GPUs
     with FP8 tensor cores (up to ``WIDEN_ROWS`` rows: the weight widened, the activations not
     rounded), the same arithmetic in float32 elsewhere."""
+
+    def scales(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
+        """The weight's scales [out, 1] (one a row) and the columns a scale covers (all)."""
+        return layer.weight_scale[:, None], layer.weight.shape[1]
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
         shape = x.shape

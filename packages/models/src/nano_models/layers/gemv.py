@@ -5,7 +5,7 @@ At one to a few rows a linear layer is a read of its weights, and the time betwe
 counts as much as the read: cuBLAS's kernels for M = 1 took 9.1 us for Qwen3-30B-A3B's qkv
 projection (21 MB) and 10.8 us for its output projection (17 MB, split-K and a reduction) in
 the model's CUDA graph. Here W is cut into tiles (BLOCK_N whole rows, up to ``MAX_TILE``
-values; longer rows in slices) dealt to the programs; each program loads its first tile before
+bytes; longer rows in slices) dealt to the programs; each program loads its first tile before
 anything else, then, on Hopper, waits for the previous kernel (programmatic dependent launch:
 the launch and the first weight reads overlap the previous kernel's end;
 ``nano_kvcache.launch``) and lets the next kernel start. Weights are the only thing read
@@ -22,6 +22,12 @@ start: compiled torch kernels do not take part in programmatic dependent launch)
   into a new tensor (the other programs still read the old one).
 - ``gated_gemv``: the input is SiLU(gate) * up of a gated MLP's [gate | up] halves, the down
   projection's.
+
+An e4m3 weight (FP8 weights, ``nano_models.quantization``) comes with float32 ``Scales``: one
+per output row (``quantization="fp8"``), applied to the row's sum, or one per row and block of
+input columns (block-FP8 checkpoints), each block's sum scaled before the row's. It is read in
+32-bit words of four values and widened to float32 in registers; its tiles hold twice the
+values of a bf16 tile (the same bytes): half the bytes of a bf16 weight for the same work.
 
 The products are float32 sums of elementwise products (no tensor-core tile for one row),
 rounded once; the prologues round where torch's layers round (the sum, the normed value, its
@@ -41,25 +47,27 @@ import triton.language as tl
 from nano_kvcache.launch import launch_options, pdl
 
 # The products ``LinearBase`` gives this kernel on a CUDA device: one row always, two rows when
-# the weight holds at most TWO_ROWS_VALUES values. Measured on an H200 (benchmarks/bench_gemv.py,
+# the weight holds at most TWO_ROWS_BYTES bytes. Measured on an H200 (benchmarks/bench_gemv.py,
 # Qwen3-0.6B, -8B and -30B-A3B's layers; cuBLAS / this): one row 1.0-3.9x faster at every
 # shape; two rows 1.2-3.7x up to 8.4 M values (0.97x at 6.3 M), 0.78-0.90x above; four rows
 # faster for three of eleven shapes only (each x row is read again by every program).
 GEMV_ROWS = 2
-TWO_ROWS_VALUES = 1 << 23
-# Values of W in a program's tile (BLOCK_N rows x BLOCK_K of their columns), at most; rows
-# longer than MAX_TILE are taken in slices.
-MAX_TILE = 16384
-# A weight of up to ONE_WAVE_VALUES values a multiprocessor is read in one wave: a program per
+TWO_ROWS_BYTES = 1 << 24
+# Bytes of W in a program's tile (BLOCK_N rows x BLOCK_K of their columns), at most; longer
+# rows are taken in slices. (16,384 bf16 values, 32,768 e4m3.)
+MAX_TILE = 1 << 15
+# A weight of up to ONE_WAVE_BYTES bytes a multiprocessor is read in one wave: a program per
 # tile, every tile loaded before the wait for the previous kernel. A larger one by
 # PROGRAMS_PER_SM programs a multiprocessor, each walking its share of the tiles with the next
 # one in flight while it multiplies the current one. Measured on an H200 (132 SMs;
 # benchmarks/bench_gemv.py, one row, cold weights, and the engine at batch 1): one wave is as
-# fast or faster up to 6.3 M values (every Qwen3-0.6B layer), the walk 4-18% faster from 8.4 M
-# (every Qwen3-8B and -30B-A3B layer; 2 programs a multiprocessor and 16 K-value tiles beat 1
-# or 4 and 8 K).
-ONE_WAVE_VALUES = 48 * 1024
+# fast or faster up to 6.3 M bf16 values (every Qwen3-0.6B layer), the walk 4-18% faster from
+# 8.4 M (every Qwen3-8B and -30B-A3B layer; 2 programs a multiprocessor and 32 KiB tiles beat 1
+# or 4 and 16 KiB).
+ONE_WAVE_BYTES = 96 * 1024
 PROGRAMS_PER_SM = 2
+
+FP8 = torch.float8_e4m3fn
 
 
 class Tiles(NamedTuple):
@@ -67,12 +75,25 @@ class Tiles(NamedTuple):
     block_k: int
     warps: int
     grid: int
+    block_s: int = 0  # columns of a tile's scale blocks (0: the tile is not cut in blocks)
+
+
+class Scales(NamedTuple):
+    """An e4m3 weight's scales: ``values`` float32 [N, ceil(K / block)]; the weight's element
+    (n, k) stands for w[n, k] * values[n, k // block]. One column: a scale per row."""
+
+    values: torch.Tensor
+    block: int
 
 
 # What the program computes its input from (a kernel's globals must be constexpr objects).
 _PLAIN = tl.constexpr(0)  # x itself
 _NORMED = tl.constexpr(1)  # RMSNorm(x + residual) * norm weight
 _GATED = tl.constexpr(2)  # SiLU(x[:, :K]) * x[:, K:]
+# How W's values are scaled (e4m3 weights)
+_NO_SCALES = tl.constexpr(0)
+_ROW_SCALES = tl.constexpr(1)  # one scale a row: the row's sum times it
+_BLOCK_SCALES = tl.constexpr(2)  # a scale a row and block of columns: each block's sum times it
 
 
 class Normed(NamedTuple):
@@ -84,34 +105,44 @@ class Normed(NamedTuple):
     normed: torch.Tensor | None
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` takes this product (else the caller's matmul does)."""
+def usable(x: torch.Tensor, weight: torch.Tensor, scaled: bool = False) -> bool:
+    """Whether ``gemv`` takes this product (else the caller's matmul does); ``scaled``: the
+    weight is e4m3 with ``Scales``."""
     return (
         x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_ROWS
-        and (x.shape[0] == 1 or weight.numel() <= TWO_ROWS_VALUES)
+        and (x.shape[0] == 1 or weight.numel() * weight.element_size() <= TWO_ROWS_BYTES)
         and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
+        and weight.dtype == (FP8 if scaled else x.dtype)
         and weight.dim() == 2
         and weight.stride(1) == 1
+        and (not scaled or _words(weight))
     )
 
 
-def tiles(n: int, k: int, multiprocessors: int) -> Tiles:
-    """How an [n, k] weight is dealt to the programs: tiles of up to MAX_TILE values, narrowed
-    while there would be fewer row blocks than programs in a wave; a program per tile up to
-    ONE_WAVE_VALUES values a multiprocessor, else PROGRAMS_PER_SM a multiprocessor."""
+def tiles(
+    n: int, k: int, multiprocessors: int, element_size: int = 2, scale_block: int = 0
+) -> Tiles:
+    """How an [n, k] weight of ``element_size``-byte values is dealt to the programs: tiles of
+    up to MAX_TILE bytes, narrowed while there would be fewer row blocks than programs in a
+    wave; a program per tile up to ONE_WAVE_BYTES a multiprocessor, else PROGRAMS_PER_SM a
+    multiprocessor. With scales per ``scale_block`` columns (shorter than k), a tile's slice
+    is cut in blocks of the largest power of two that divides the scale block."""
     programs = multiprocessors * PROGRAMS_PER_SM
-    block_k = min(triton.next_power_of_2(k), MAX_TILE)
-    block_n = max(1, min(8, MAX_TILE // block_k))
+    values = MAX_TILE // element_size
+    block_k = min(triton.next_power_of_2(k), values)
+    block_n = max(1, min(16 // element_size, values // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < programs:
         block_n //= 2
     blocks = triton.cdiv(n, block_n)
-    one_wave = n * k <= ONE_WAVE_VALUES * multiprocessors
-    tile = block_n * block_k
+    one_wave = n * k * element_size <= ONE_WAVE_BYTES * multiprocessors
+    tile = block_n * block_k * element_size
     warps = 8 if tile >= MAX_TILE or (not one_wave and tile >= MAX_TILE // 2) else 4
-    return Tiles(block_n, block_k, warps, blocks if one_wave else min(blocks, programs))
+    block_s = 0
+    if 0 < scale_block < k:
+        block_s = min(scale_block & -scale_block, block_k)
+    return Tiles(block_n, block_k, warps, blocks if one_wave else min(blocks, programs), block_s)
 
 
 @functools.cache
@@ -125,17 +156,26 @@ def _multiprocessors(device: torch.device) -> int:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scales: Scales | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, for M up to
-    ``GEMV_ROWS`` (any M works; past a few rows cuBLAS is faster)."""
-    _check(weight, x.shape[1], "x")
+    ``GEMV_ROWS`` (any M works; past a few rows cuBLAS is faster). The weight in x's dtype,
+    or float8_e4m3fn with its ``scales``."""
+    _check(weight, x.shape[1], "x", scales)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(_contiguous(x), weight, bias, out, _PLAIN)
+    _launch(_contiguous(x), weight, scales, bias, out, _PLAIN)
     return out
 
 
 def gated_gemv(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """(SiLU(h[:, :K]) * h[:, K:]) @ weight [N, K]^T (+ bias) -> [M, N]: a gated MLP's down
     projection of its [gate | up] halves h [M, 2K], SiLU-and-mul in float32, rounded once."""
@@ -144,9 +184,9 @@ def gated_gemv(
             f"h holds gate and up halves of {weight.shape[1]} columns each for this weight "
             f"([M, {2 * weight.shape[1]}]), got {list(h.shape)}"
         )
-    _check(weight, weight.shape[1], "h")
+    _check(weight, weight.shape[1], "h", scales)
     out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
-    _launch(_contiguous(h), weight, bias, out, _GATED)
+    _launch(_contiguous(h), weight, scales, bias, out, _GATED)
     return out
 
 
@@ -158,13 +198,14 @@ def normed_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     keep_normed: bool = False,
+    scales: Scales | None = None,
 ) -> Normed:
     """RMSNorm(x + residual) @ weight^T (+ bias) for x and residual [M, K], norm_weight [K]:
     the sum rounded to x's dtype, normed in float32 and rounded, times the norm's weight and
     rounded (as ``nano_models.layers.norm`` computes it). ``keep_normed`` also writes the normed
     input (for another consumer of it)."""
     rows, k = x.shape
-    _check(weight, k, "x")
+    _check(weight, k, "x", scales)
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(
             f"the norm's weight must be {x.dtype} [{k}], got {norm_weight.dtype} "
@@ -183,6 +224,7 @@ def normed_gemv(
     _launch(
         _contiguous(x),
         weight,
+        scales,
         bias,
         out,
         _NORMED,
@@ -194,11 +236,43 @@ def normed_gemv(
     return Normed(out, new_residual, normed)
 
 
-def _check(weight: torch.Tensor, k: int, name: str) -> None:
+def _check(weight: torch.Tensor, k: int, name: str, scales: Scales | None) -> None:
     if weight.shape[1] != k:
         raise ValueError(f"{name} has {k} columns, the weight {weight.shape[1]}")
     if weight.stride(1) != 1:
         raise ValueError("the weight must be contiguous along its input dimension")
+    if (weight.dtype == FP8) != (scales is not None):
+        raise ValueError("a float8_e4m3fn weight comes with its scales, and only such a weight")
+    if scales is None:
+        return
+    if not _words(weight):
+        raise ValueError(
+            "an e4m3 weight is read in 32-bit words: its columns, row stride and address must "
+            f"be multiples of 4, got {weight.shape[1]} columns, stride {weight.stride(0)}"
+        )
+    n, values, block = weight.shape[0], scales.values, scales.block
+    if block <= 0 or values.dtype != torch.float32 or values.stride(-1) != 1:
+        raise ValueError(
+            f"the scales must be float32 with contiguous rows for blocks of > 0 columns, got "
+            f"{values.dtype} for blocks of {block}"
+        )
+    if values.shape != (n, -(-k // block)):
+        raise ValueError(
+            f"a weight [{n}, {k}] with scales per {block} columns takes scales "
+            f"[{n}, {-(-k // block)}], got {list(values.shape)}"
+        )
+    if values.shape[1] > 1 and block % 16:
+        raise ValueError(f"scale blocks of {block} columns: a multiple of 16 is needed")
+
+
+def _words(weight: torch.Tensor) -> bool:
+    """Whether an e4m3 weight's rows are whole 32-bit words (the kernel reads four at once)."""
+    return weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+
+
+def _nvidia(device: torch.device) -> bool:
+    """A CUDA device of NVIDIA's (PTX's FP8 conversions; not ROCm, not Triton's interpreter)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def _contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -206,18 +280,31 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x, weight, bias, out, prologue, residual=None, norm=None, residual_out=None, normed_out=None
+    x,
+    weight,
+    scales,
+    bias,
+    out,
+    prologue,
+    residual=None,
+    norm=None,
+    residual_out=None,
+    normed_out=None,
 ) -> None:
     rows = x.shape[0]
     n, k = weight.shape
     if rows == 0:
         return
-    block_n, block_k, warps, grid = tiles(n, k, _multiprocessors(x.device))
+    scale_block = 0 if scales is None else scales.block
+    block_n, block_k, warps, grid, block_s = tiles(
+        n, k, _multiprocessors(x.device), weight.element_size(), scale_block
+    )
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     dependent = pdl(x)
     _gemv[(grid,)](
         x,
-        weight,
+        weight if scales is None else weight.view(torch.int32),
+        weight if scales is None else scales.values,
         bias if bias is not None else weight,
         out,
         residual if residual is not None else x,
@@ -229,10 +316,14 @@ def _launch(
         k,
         eps,
         x.stride(0),
-        weight.stride(0),
+        weight.stride(0) // (1 if scales is None else 4),
         out.stride(0),
         residual.stride(0) if residual is not None else 0,
+        0 if scales is None else scales.values.stride(0),
         HAS_BIAS=bias is not None,
+        SCALES=_NO_SCALES if scales is None else _BLOCK_SCALES if block_s else _ROW_SCALES,
+        E4M3_ASM=scales is not None and _nvidia(x.device),
+        PACK=1 if scales is None else 4,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         KEEP_NORMED=normed_out is not None,
@@ -241,6 +332,8 @@ def _launch(
         BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        BLOCK_S=block_s,
+        SCALE_BLOCK=scale_block if block_s else 0,
         PDL=dependent,
         num_warps=warps,
         **launch_options(dependent),
@@ -334,6 +427,7 @@ def _input(
 def _rows_times(
     acc,
     tile,
+    scales,
     x,
     r,
     norm_w,
@@ -351,10 +445,14 @@ def _rows_times(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     KEEP_NORMED: tl.constexpr,
+    SCALES: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
+    PACK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """acc[m] += input[m, start + offs_k] . tile (one slice of BLOCK_N rows), every row m."""
-    tile = tile.to(tl.float32)
+    tile = _widened(tile, PACK, E4M3_ASM)
     m_idx = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
         a = _input(
@@ -377,9 +475,21 @@ def _rows_times(
             KEEP_NORMED,
             BLOCK_M,
         )
-        part = tl.sum(tile * a[None, :], 1)
+        part = _part(tile, scales, a, SCALES, BLOCK_S)
         acc = tl.where(m_idx[:, None] == m, acc + part[None, :], acc)
     return acc
+
+
+@triton.jit
+def _part(tile, scales, a, SCALES: tl.constexpr, BLOCK_S: tl.constexpr):
+    """tile [BLOCK_N, BLOCK_K] . a [BLOCK_K] -> [BLOCK_N] (float32); with block scales each
+    block of BLOCK_S columns' sum times its scale, scales [BLOCK_N, BLOCK_K / BLOCK_S]."""
+    products = tile * a[None, :]
+    if SCALES == _BLOCK_SCALES:
+        blocks = tl.reshape(products, [tile.shape[0], tile.shape[1] // BLOCK_S, BLOCK_S])
+        return tl.sum(tl.sum(blocks, 2) * scales, 1)
+    else:
+        return tl.sum(products, 1)
 
 
 # (M is 1 to a few; one compiled variant serves every M of a BLOCK_M)
@@ -387,6 +497,7 @@ def _rows_times(
 def _gemv(
     x,
     w,
+    s,
     b,
     out,
     r,
@@ -401,7 +512,11 @@ def _gemv(
     stride_w,
     stride_o,
     stride_r,
+    stride_s,
     HAS_BIAS: tl.constexpr,
+    SCALES: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
+    PACK: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     KEEP_NORMED: tl.constexpr,
@@ -410,16 +525,36 @@ def _gemv(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[m, n] = input[m] . w[n] (+ b[n]) for every m < M, the input x or made from it
-    (PROLOGUE). W's tiles are a block of BLOCK_N rows by a slice of BLOCK_K columns: a program
+    (PROLOGUE), w scaled by s (SCALES: w[n, k] * s[n, k // SCALE_BLOCK]; PACK 4: w's int32
+    words hold four e4m3 values). W's tiles are a block of BLOCK_N rows by a slice of BLOCK_K
+    columns (with block scales in blocks of BLOCK_S, within one scale block each): a program
     per row block, or (WALK) fewer programs, each walking several (``_walk``)."""
     pid = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // PACK)
     block = tl.arange(0, BLOCK_N)
     # The first tile (weights: nothing a kernel before this one writes) ...
-    tile = _tile(w, pid * BLOCK_N + block, offs_k, N, K, stride_w, True)
+    tile, scales = _tile(
+        w,
+        s,
+        pid * BLOCK_N + block,
+        0,
+        offs_w,
+        N,
+        K,
+        stride_w,
+        stride_s,
+        True,
+        SCALES,
+        BLOCK_S,
+        SCALE_BLOCK,
+        PACK,
+    )
     if PDL:
         # ... then what the previous kernel wrote (x) is complete; the next kernel may start.
         tl.extra.cuda.gdc_wait()
@@ -432,8 +567,10 @@ def _gemv(
         _walk(
             acc,
             tile,
+            scales,
             x,
             w,
+            s,
             b,
             out,
             r,
@@ -448,7 +585,11 @@ def _gemv(
             stride_w,
             stride_o,
             stride_r,
+            stride_s,
             HAS_BIAS,
+            SCALES,
+            E4M3_ASM,
+            PACK,
             PROLOGUE,
             HAS_RESIDUAL,
             KEEP_NORMED,
@@ -456,12 +597,15 @@ def _gemv(
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
+            BLOCK_S,
+            SCALE_BLOCK,
         )
     else:  # (a program per row block, slice after slice)
         offs_n = pid * BLOCK_N + block
         acc = _rows_times(
             acc,
             tile,
+            scales,
             x,
             r,
             norm_w,
@@ -479,13 +623,33 @@ def _gemv(
             PROLOGUE,
             HAS_RESIDUAL,
             KEEP_NORMED,
+            SCALES,
+            E4M3_ASM,
+            PACK,
             BLOCK_M,
+            BLOCK_S,
         )
         for start in range(BLOCK_K, K, BLOCK_K):
-            tile = _tile(w, offs_n, start + offs_k, N, K, stride_w, True)
+            tile, scales = _tile(
+                w,
+                s,
+                offs_n,
+                start,
+                offs_w,
+                N,
+                K,
+                stride_w,
+                stride_s,
+                True,
+                SCALES,
+                BLOCK_S,
+                SCALE_BLOCK,
+                PACK,
+            )
             acc = _rows_times(
                 acc,
                 tile,
+                scales,
                 x,
                 r,
                 norm_w,
@@ -503,17 +667,23 @@ def _gemv(
                 PROLOGUE,
                 HAS_RESIDUAL,
                 KEEP_NORMED,
+                SCALES,
+                E4M3_ASM,
+                PACK,
                 BLOCK_M,
+                BLOCK_S,
             )
-        _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS, BLOCK_M)
+        _store(out, b, s, acc, offs_n, M, N, stride_o, stride_s, HAS_BIAS, SCALES, BLOCK_M)
 
 
 @triton.jit
 def _walk(
     acc,
     tile,
+    scales,
     x,
     w,
+    s,
     b,
     out,
     r,
@@ -528,7 +698,11 @@ def _walk(
     stride_w,
     stride_o,
     stride_r,
+    stride_s,
     HAS_BIAS: tl.constexpr,
+    SCALES: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
+    PACK: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     KEEP_NORMED: tl.constexpr,
@@ -536,6 +710,8 @@ def _walk(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """This program's tiles, row blocks pid, pid + programs, ..., each slice by slice (tile:
     the first, loaded), the next tile in flight while it multiplies the current one. With
@@ -545,6 +721,7 @@ def _walk(
     slices = tl.cdiv(K, BLOCK_K)
     count = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * slices
     offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // PACK)
     block = tl.arange(0, BLOCK_N)
     m_idx = tl.arange(0, BLOCK_M)
     if HOIST:
@@ -593,27 +770,35 @@ def _walk(
             )
     for t in range(count):
         nxt = t + 1
-        following = _tile(
+        following, following_scales = _tile(
             w,
+            s,
             (pid + nxt // slices * programs) * BLOCK_N + block,
-            nxt % slices * BLOCK_K + offs_k,
+            nxt % slices * BLOCK_K,
+            offs_w,
             N,
             K,
             stride_w,
+            stride_s,
             nxt < count,
+            SCALES,
+            BLOCK_S,
+            SCALE_BLOCK,
+            PACK,
         )
         start = t % slices * BLOCK_K
         if HOIST:
-            values = tile.to(tl.float32)
-            part = tl.sum(values * a0[None, :], 1)
+            values = _widened(tile, PACK, E4M3_ASM)
+            part = _part(values, scales, a0, SCALES, BLOCK_S)
             acc = tl.where(m_idx[:, None] == 0, acc + part[None, :], acc)
             if BLOCK_M == 2:
-                part = tl.sum(values * a1[None, :], 1)
+                part = _part(values, scales, a1, SCALES, BLOCK_S)
                 acc = tl.where(m_idx[:, None] == 1, acc + part[None, :], acc)
         else:
             acc = _rows_times(
                 acc,
                 tile,
+                scales,
                 x,
                 r,
                 norm_w,
@@ -631,20 +816,40 @@ def _walk(
                 PROLOGUE,
                 HAS_RESIDUAL,
                 KEEP_NORMED,
+                SCALES,
+                E4M3_ASM,
+                PACK,
                 BLOCK_M,
+                BLOCK_S,
             )
         if start + BLOCK_K >= K:  # (the block's last slice: its outputs are complete)
             offs_n = (pid + t // slices * programs) * BLOCK_N + block
-            _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS, BLOCK_M)
+            _store(out, b, s, acc, offs_n, M, N, stride_o, stride_s, HAS_BIAS, SCALES, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         tile = following
+        scales = following_scales
 
 
 @triton.jit
-def _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """out[m, offs_n] = acc (+ b[offs_n]) for the rows m < M."""
+def _store(
+    out,
+    b,
+    s,
+    acc,
+    offs_n,
+    M,
+    N,
+    stride_o,
+    stride_s,
+    HAS_BIAS: tl.constexpr,
+    SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """out[m, offs_n] = acc (times the rows' scales) (+ b[offs_n]) for the rows m < M."""
     m_idx = tl.arange(0, BLOCK_M)
     live_n = offs_n < N
+    if SCALES == _ROW_SCALES:
+        acc *= tl.load(s + offs_n * stride_s, mask=live_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
     ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
@@ -652,7 +857,84 @@ def _store(out, b, acc, offs_n, M, N, stride_o, HAS_BIAS: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def _tile(w, offs_n, cols, N, K, stride_w, live):
-    """W's rows offs_n at columns cols, [BLOCK_N, BLOCK_K] (zeros where not live)."""
-    rows = w + offs_n.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    return tl.load(rows, mask=((offs_n < N)[:, None] & (cols < K)[None, :]) & live, other=0.0)
+def _widened(tile, PACK: tl.constexpr, E4M3_ASM: tl.constexpr):
+    """A tile's values in float32. PACK 4: int32 words of four e4m3 values (the first in the
+    lowest byte), [..., W] -> [..., 4 W]; with E4M3_ASM (CUDA) by two ``cvt.rn.f16x2.e4m3x2``
+    of a word's halves and four ``cvt.f32.f16`` (Triton's conversion of an e4m3 tile takes
+    each word apart byte by byte and packs pairs again: twice the instructions of the whole
+    product)."""
+    if PACK == 4:
+        if E4M3_ASM:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b16 lo, hi;
+                .reg .b32 pair0, pair1;
+                .reg .f16 h0, h1, h2, h3;
+                mov.b32 {lo, hi}, $4;
+                cvt.rn.f16x2.e4m3x2 pair0, lo;
+                cvt.rn.f16x2.e4m3x2 pair1, hi;
+                mov.b32 {h0, h1}, pair0;
+                mov.b32 {h2, h3}, pair1;
+                cvt.f32.f16 $0, h0;
+                cvt.f32.f16 $1, h1;
+                cvt.f32.f16 $2, h2;
+                cvt.f32.f16 $3, h3;
+                }""",
+                constraints="=r,=r,=r,=r,r",
+                args=[tile],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            v0 = _e4m3_byte(tile, 0)
+            v1 = _e4m3_byte(tile, 8)
+            v2 = _e4m3_byte(tile, 16)
+            v3 = _e4m3_byte(tile, 24)
+        # (value i + 2 j of a word at [..., j, i]: in order when the last three dims merge)
+        quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+        return tl.reshape(quads, [tile.shape[0], tile.shape[1] * 4])
+    else:
+        return tile.to(tl.float32)
+
+
+@triton.jit
+def _e4m3_byte(words, shift: tl.constexpr):
+    """The e4m3 value at bits shift .. shift + 7 of int32 words, in float32."""
+    byte = ((words >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _tile(
+    w,
+    s,
+    offs_n,
+    start,
+    offs_w,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    live,
+    SCALES: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    PACK: tl.constexpr,
+):
+    """W's rows offs_n at the slice's units start / PACK + offs_w (values, or int32 words of
+    PACK e4m3 values), [BLOCK_N, BLOCK_K / PACK] (zeros where not live), and with block scales
+    the scales of its blocks of BLOCK_S columns, [BLOCK_N, BLOCK_K / BLOCK_S] (else a
+    placeholder)."""
+    units = start // PACK + offs_w
+    live_n = offs_n < N
+    rows = w + offs_n.to(tl.int64)[:, None] * stride_w + units[None, :]
+    mask = (live_n[:, None] & (units < K // PACK)[None, :]) & live
+    values = tl.load(rows, mask=mask, other=0)
+    if SCALES == _BLOCK_SCALES:
+        firsts = start + tl.arange(0, offs_w.shape[0] * PACK // BLOCK_S) * BLOCK_S
+        ptrs = s + offs_n[:, None] * stride_s + (firsts // SCALE_BLOCK)[None, :]
+        scales = tl.load(ptrs, mask=(live_n[:, None] & (firsts < K)[None, :]) & live, other=0.0)
+    else:
+        scales = tl.zeros([1], dtype=tl.float32)
+    return values, scales

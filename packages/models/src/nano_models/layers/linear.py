@@ -24,7 +24,8 @@ except ImportError:  # (no Triton: a CPU install)
 class LinearBase(nn.Module):
     """y = x W^T + b with W [out_local, in_local]. ``tp_dim`` says which dim is sharded.
     ``quant``: an FP8 scheme (``nano_models.quantization``) that holds W in e4m3 with scales
-    and computes the product; None: W in the model's dtype."""
+    and computes the product (but for ``gemv``'s, which reads the scales itself); None: W in
+    the model's dtype."""
 
     tp_dim: int | None = None
     quant = None
@@ -81,7 +82,12 @@ class LinearBase(nn.Module):
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether the product of x runs as ``gemv`` (a decode step of a few sequences on a
         GPU), where the layer's input can be made in the product's prologue."""
-        return self.quant is None and gemv is not None and gemv.usable(x, self.weight)
+        return gemv is not None and gemv.usable(x, self.weight, scaled=self.quant is not None)
+
+    def gemv_scales(self):
+        """An FP8 weight's scales as ``gemv`` takes them (None: a weight in the model's
+        dtype)."""
+        return None if self.quant is None else gemv.Scales(*self.quant.scales(self))
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None
@@ -90,12 +96,12 @@ class LinearBase(nn.Module):
         act(x), made in the product's prologue where ``gemv`` takes it."""
         if act is not None:
             if self.takes_gemv(x):
-                return gemv.gated_gemv(x, self.weight, bias)
+                return gemv.gated_gemv(x, self.weight, bias, self.gemv_scales())
             x = act(x)
+        if self.takes_gemv(x):
+            return gemv.gemv(x, self.weight, bias, self.gemv_scales())
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
-        if self.takes_gemv(x):
-            return gemv.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
@@ -114,7 +120,14 @@ class LinearBase(nn.Module):
         (replicated, column-parallel)."""
         if self.tp_dim != 1 and self.takes_gemv(x) and norm.weight.dtype == x.dtype:
             return gemv.normed_gemv(
-                x, residual, norm.weight, norm.eps, self.weight, self.bias, keep_normed
+                x,
+                residual,
+                norm.weight,
+                norm.eps,
+                self.weight,
+                self.bias,
+                keep_normed,
+                self.gemv_scales(),
             )
         h, s = (norm(x), x) if residual is None else norm(x, residual)
         return self(h), s, h
