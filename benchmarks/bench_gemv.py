@@ -9,7 +9,8 @@ With --fp8, e4m3 weights instead: ``gemv`` with a scale a row (``quantization="f
 with 128 x 128 scale blocks (FP8 checkpoints), against the FP8 product the layers took before
 (``block_fp8_matmul``: split-K W8A16) and against bf16 ``gemv`` of the same shape.
 
-    python benchmarks/bench_gemv.py [--rows 1 2 4 8] [--fp8] [--max-tile BYTES] [--json F]
+    python benchmarks/bench_gemv.py [--rows 1 2 4 8] [--fp8] [--max-tile BYTES]
+        [--max-slice COLUMNS] [--json F]
 """
 
 from __future__ import annotations
@@ -99,10 +100,13 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--fp8", action="store_true", help="e4m3 weights with scales")
     p.add_argument("--max-tile", type=int, help="gemv's tile bytes (default: its MAX_TILE)")
+    p.add_argument("--max-slice", type=int, help="gemv's slice columns (default: MAX_SLICE)")
     p.add_argument("--json")
     args = p.parse_args()
     if args.max_tile:
         gemv_module.MAX_TILE = args.max_tile
+    if args.max_slice:
+        gemv_module.MAX_SLICE = args.max_slice
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.fp8:
         results = fp8_rows(SHAPES, args.rows)

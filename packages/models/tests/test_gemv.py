@@ -177,7 +177,8 @@ def test_tiles_hold_at_most_max_tile_bytes_and_spread_over_the_programs(size):
             programs = multiprocessors * gemv_module.PROGRAMS_PER_SM
             values = gemv_module.MAX_TILE // size
             assert block_n * block_k <= values or block_n == 1
-            assert block_k >= min(k, values) and warps in (4, 8) and block_s == 0
+            assert block_k >= min(k, values, gemv_module.MAX_SLICE) and warps in (4, 8)
+            assert block_k <= gemv_module.MAX_SLICE and block_s == 0
             blocks = -(-n // block_n)
             if block_n > 1:  # (narrowed while there were fewer row blocks than programs)
                 assert blocks >= programs
@@ -188,6 +189,7 @@ def test_tiles_hold_at_most_max_tile_bytes_and_spread_over_the_programs(size):
 
 def test_tiles_of_block_scaled_weights_are_cut_in_whole_scale_blocks():
     assert tiles(6144, 4096, 132, 1, 128)[1::3] == (4096, 128)  # (32 blocks of 128 a slice)
+    assert tiles(4096, 12288, 132, 1, 128)[:2] == (8, gemv_module.MAX_SLICE)
     assert tiles(64, 96, 4, 1, 32)[1::3] == (128, 32)
     assert tiles(64, 300, 4, 1, 48)[1::3] == (512, 16)  # (48: blocks of 16, never across two)
     assert tiles(64, 100, 4, 1, 128).block_s == 0  # (one scale a row: applied to its sum)
@@ -205,6 +207,11 @@ def test_which_products_it_takes():
         big = torch.empty(gemv_module.TWO_ROWS_BYTES // 128 + 1, 64, device="cuda").bfloat16()
         two = torch.empty(2, 64, dtype=torch.bfloat16, device="cuda")
         assert usable(two[:1], big) and not usable(two, big)  # (two rows: small weights only)
+        big8 = torch.empty(gemv_module.TWO_ROWS_BYTES // 64 + 1, 64, device="cuda")
+        big8 = big8.to(torch.float8_e4m3fn)
+        assert usable(two, big8, scaled=True)  # (e4m3: two rows always)
+        assert not usable(two, big8) and not usable(two, big, scaled=True)
+        assert not usable(x, torch.empty(8, 18, device="cuda").to(big8.dtype)[:, :16], True)
         assert not usable(x.float(), w.float())  # (float32: cuBLAS)
         assert not usable(x, w.t().contiguous().t())  # (not contiguous along its input)
         assert not usable(torch.empty(0, 16, dtype=torch.bfloat16, device="cuda"), w)

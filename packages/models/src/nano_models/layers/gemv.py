@@ -47,15 +47,25 @@ import triton.language as tl
 from nano_kvcache.launch import launch_options, pdl
 
 # The products ``LinearBase`` gives this kernel on a CUDA device: one row always, two rows when
-# the weight holds at most TWO_ROWS_BYTES bytes. Measured on an H200 (benchmarks/bench_gemv.py,
-# Qwen3-0.6B, -8B and -30B-A3B's layers; cuBLAS / this): one row 1.0-3.9x faster at every
-# shape; two rows 1.2-3.7x up to 8.4 M values (0.97x at 6.3 M), 0.78-0.90x above; four rows
-# faster for three of eleven shapes only (each x row is read again by every program).
+# the weight is e4m3 or holds at most TWO_ROWS_BYTES bytes. Measured on an H200
+# (benchmarks/bench_gemv.py, Qwen3-0.6B, -8B and -30B-A3B's layers; cuBLAS / this): one row
+# 1.0-3.9x faster at every shape; two bf16 rows 1.2-3.7x up to 8.4 M values (0.97x at 6.3 M),
+# 0.78-0.90x above; four rows
+# faster for three of eleven shapes only (each x row is read again by every program). e4m3
+# weights at two rows, against the split-K W8A16 kernel the FP8 layers took before: 1.04-1.8x
+# at every shape of the three models but the block-scaled 8B down projection (0.88x with
+# slices of 16,384 columns).
 GEMV_ROWS = 2
 TWO_ROWS_BYTES = 1 << 24
 # Bytes of W in a program's tile (BLOCK_N rows x BLOCK_K of their columns), at most; longer
 # rows are taken in slices. (16,384 bf16 values, 32,768 e4m3.)
 MAX_TILE = 1 << 15
+# Columns of a slice, at most. Longer slices keep a longer input in registers: measured on an
+# H200 (benchmarks/bench_gemv.py, one row, Qwen3-8B's down projection, 4096 x 12288), slices of
+# 4,096 columns against 16,384: bf16 27.3 against 33.3 us, e4m3 15.4 against 16.5 (a scale a
+# row) and 15.2 against 22.6 (128-column blocks: 167 registers a thread at 16,384, one program
+# a multiprocessor); every layer of up to 4,096 columns as before.
+MAX_SLICE = 1 << 12
 # A weight of up to ONE_WAVE_BYTES bytes a multiprocessor is read in one wave: a program per
 # tile, every tile loaded before the wait for the previous kernel. A larger one by
 # PROGRAMS_PER_SM programs a multiprocessor, each walking its share of the tiles with the next
@@ -112,7 +122,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor, scaled: bool = False) -> bool:
         x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= GEMV_ROWS
-        and (x.shape[0] == 1 or weight.numel() * weight.element_size() <= TWO_ROWS_BYTES)
+        and (x.shape[0] == 1 or scaled or weight.numel() * weight.element_size() <= TWO_ROWS_BYTES)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == (FP8 if scaled else x.dtype)
         and weight.dim() == 2
@@ -131,7 +141,7 @@ def tiles(
     is cut in blocks of the largest power of two that divides the scale block."""
     programs = multiprocessors * PROGRAMS_PER_SM
     values = MAX_TILE // element_size
-    block_k = min(triton.next_power_of_2(k), values)
+    block_k = min(triton.next_power_of_2(k), values, MAX_SLICE)
     block_n = max(1, min(16 // element_size, values // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < programs:
         block_n //= 2
@@ -673,7 +683,7 @@ def _gemv(
                 BLOCK_M,
                 BLOCK_S,
             )
-        _store(out, b, s, acc, offs_n, M, N, stride_o, stride_s, HAS_BIAS, SCALES, BLOCK_M)
+        _store(out, b, scales, acc, offs_n, M, N, stride_o, HAS_BIAS, SCALES, BLOCK_M)
 
 
 @triton.jit
@@ -824,7 +834,7 @@ def _walk(
             )
         if start + BLOCK_K >= K:  # (the block's last slice: its outputs are complete)
             offs_n = (pid + t // slices * programs) * BLOCK_N + block
-            _store(out, b, s, acc, offs_n, M, N, stride_o, stride_s, HAS_BIAS, SCALES, BLOCK_M)
+            _store(out, b, scales, acc, offs_n, M, N, stride_o, HAS_BIAS, SCALES, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         tile = following
         scales = following_scales
@@ -834,13 +844,12 @@ def _walk(
 def _store(
     out,
     b,
-    s,
+    scales,
     acc,
     offs_n,
     M,
     N,
     stride_o,
-    stride_s,
     HAS_BIAS: tl.constexpr,
     SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -849,7 +858,7 @@ def _store(
     m_idx = tl.arange(0, BLOCK_M)
     live_n = offs_n < N
     if SCALES == _ROW_SCALES:
-        acc *= tl.load(s + offs_n * stride_s, mask=live_n, other=0.0)[None, :]
+        acc *= scales[None, :]
     if HAS_BIAS:
         acc += tl.load(b + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
     ptrs = out + m_idx.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
@@ -923,9 +932,10 @@ def _tile(
     PACK: tl.constexpr,
 ):
     """W's rows offs_n at the slice's units start / PACK + offs_w (values, or int32 words of
-    PACK e4m3 values), [BLOCK_N, BLOCK_K / PACK] (zeros where not live), and with block scales
-    the scales of its blocks of BLOCK_S columns, [BLOCK_N, BLOCK_K / BLOCK_S] (else a
-    placeholder)."""
+    PACK e4m3 values), [BLOCK_N, BLOCK_K / PACK] (zeros where not live), and their scales:
+    the rows' [BLOCK_N], or with block scales those of the tile's blocks of BLOCK_S columns,
+    [BLOCK_N, BLOCK_K / BLOCK_S] (else a placeholder). (Loaded with the tile: a scale read
+    only when the row's sum is stored waited a memory latency every tile.)"""
     units = start // PACK + offs_w
     live_n = offs_n < N
     rows = w + offs_n.to(tl.int64)[:, None] * stride_w + units[None, :]
@@ -935,6 +945,8 @@ def _tile(
         firsts = start + tl.arange(0, offs_w.shape[0] * PACK // BLOCK_S) * BLOCK_S
         ptrs = s + offs_n[:, None] * stride_s + (firsts // SCALE_BLOCK)[None, :]
         scales = tl.load(ptrs, mask=(live_n[:, None] & (firsts < K)[None, :]) & live, other=0.0)
+    elif SCALES == _ROW_SCALES:
+        scales = tl.load(s + offs_n * stride_s, mask=live_n & live, other=0.0)
     else:
         scales = tl.zeros([1], dtype=tl.float32)
     return values, scales
