@@ -40,6 +40,8 @@ SHAPES = [  # model, layer, N (outputs), K (inputs)
     ("Qwen3-30B-A3B", "qkv", 5120, 2048),
     ("Qwen3-30B-A3B", "o", 2048, 4096),
     ("Qwen3-30B-A3B", "router", 128, 2048),
+    ("Qwen3-0.6B", "lm_head", 151936, 1024),
+    ("Qwen3-8B", "lm_head", 151936, 4096),
 ]
 
 

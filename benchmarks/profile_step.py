@@ -7,6 +7,7 @@
 and the same decode step's model under torch.profiler (top kernels).
 
     python benchmarks/profile_step.py [--context 512] [--batch 256] [--model CONFIG]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -40,8 +41,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"))
     parser.add_argument("--kernels", type=int, default=15, help="rows of the kernel table")
+    parser.add_argument("-q", "--quantization", help="fp8: FP8 weights")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048)
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     engine = llm.engine
     runner, sampler = engine.runner, engine.sampler
     blocks = -(-args.context // 16)
