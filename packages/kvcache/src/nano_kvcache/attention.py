@@ -38,6 +38,13 @@ _NAN = tl.constexpr(tl.PropagateNan.ALL)
 # Compiled for sm_90: at 128 a head of 64 would take 115 (96 uncapped: fewer programs a
 # multiprocessor), one of 256 would spill 328 bytes a thread; those stay uncapped.
 _FP8_MAX_REGISTERS = {128: 128}
+# K/V tiles of its context the decode kernel prefetches into L2 before it waits for the kernel
+# before it (programmatic dependent launch; NVIDIA's PTX prefetch), so that its first loads
+# find them there: one sequence of 640 tokens, 28 layers on an H200, 5.9 -> 5.5 us a layer;
+# two tiles no better (benchmarks/RESULTS.md). 0: none.
+EARLY_TILES = 1
+# The decode grid's programs, at least (splits of the context; see decode_splits).
+DECODE_PROGRAMS = 1024
 
 
 @triton.jit
@@ -154,6 +161,48 @@ def _load_new_tile(
 
 
 @triton.jit
+def _prefetch(ptrs):
+    """Asks L2 for the 128-byte lines at ptrs (nothing comes back; no register waits). L2 is
+    coherent: a line fetched before a kernel writes it holds what was written once it is."""
+    tl.inline_asm_elementwise(
+        asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        constraints="=r,l",
+        args=[ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_tiles(
+    k_cache,
+    v_cache,
+    table,
+    start,
+    end,
+    kv_base,
+    stride_kb,
+    stride_kt,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    LINES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Prefetches into L2 the K and V rows of the tokens start .. start + TILES * BLOCK_N
+    (below end; block 0's rows in place of the others) through the block table: each row's
+    lines of 128 bytes, LINES a row (a power of two, at least the row's)."""
+    tokens = start + tl.arange(0, TILES * BLOCK_N)
+    pages = tl.load(table + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+    rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
+    per_line: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth
+    lines = tl.minimum(tl.arange(0, LINES) * per_line, HEAD_DIM - 1)  # (within the row)
+    _prefetch(k_cache + rows[:, None] + lines[None, :])
+    _prefetch(v_cache + rows[:, None] + lines[None, :])
+
+
+@triton.jit
 def _attend(
     q, k, v, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, PRECISION: tl.constexpr
 ):
@@ -231,17 +280,19 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    EARLY: tl.constexpr,
+    LINES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     # One grid axis with the sequence slowest: the programs of a sequence (its kv heads and
     # splits) start together and read neighbouring memory (a block holds every kv head).
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     kv_head = (pid // NUM_SPLITS) % KV_HEADS
     seq = pid // (NUM_SPLITS * KV_HEADS)
+    # The step's metadata and the cache but for each sequence's new token are older than the
+    # kernel before this one (under programmatic dependent launch that kernel may still run:
+    # it makes q and stores the new token's K/V; everything before it is complete).
     if ORDERED:  # longest first, so that the last programs to start are short
         seq = tl.load(order + seq)
     length = tl.load(seq_lens + seq)
@@ -254,6 +305,27 @@ def _decode_kernel(
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
+    table = block_tables + seq * stride_bt
+    kv_base = kv_head * stride_kh
+    if EARLY:  # the first tiles into L2 while the kernel before ends
+        _prefetch_tiles(
+            k_cache,
+            v_cache,
+            table,
+            start,
+            end,
+            kv_base,
+            stride_kb,
+            stride_kt,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            LINES,
+            BLOCK_N,
+            EARLY,
+        )
+    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
@@ -271,8 +343,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = block_tables + seq * stride_bt
-    kv_base = kv_head * stride_kh
     for first in range(start, end, BLOCK_N):
         tokens = first + tl.arange(0, BLOCK_N)
         t_mask = tokens < end
@@ -373,11 +443,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_splits: int = 16) -> int
     waves on an H100/H200 (3 resident per multiprocessor). With the sequences taken longest
     first the last wave's tail is short already; measured on an H200 over ragged contexts of
     100-2,000 tokens, this was the fastest split count at every batch from 32 to 255 (at least
-    2,048 programs was 0.7-4% slower: more, smaller programs and partials to merge). A power of
-    two; a function of the batch shape only."""
+    2,048 programs was 0.7-4% slower: more, smaller programs and partials to merge); again on
+    the code of 2026-11-26 at 16-256 sequences. Equal contexts favour fewer splits (32 x 640
+    tokens: 2 splits 27.6 us a layer, 4 splits 32.5), but the grid cannot see the contexts
+    (CUDA graphs), and at 512 programs ragged batches lost more (32 x 100-2,000: 47.1 against
+    40.7 us; nano-vllm's benchmark 0.6% slower). A power of two; a function of the batch shape
+    only."""
     programs = num_seqs * num_kv_heads
     splits = 1
-    while splits < max_splits and programs * splits < 1024:
+    while splits < max_splits and programs * splits < DECODE_PROGRAMS:
         splits *= 2
     return splits
 
@@ -405,7 +479,10 @@ def paged_decode(
     range(B), the order in which the programs take the sequences (longest first balances
     them). ``fp16_dots``: over an FP8 cache with a bf16 q, compute in fp16 (on Hopper e4m3
     converts to fp16 in one instruction per two values, to bf16 in one more per value); False
-    computes in bf16. Returns [B, heads, head_dim] in q's dtype.
+    computes in bf16. Returns [B, heads, head_dim] in q's dtype. Under programmatic dependent
+    launch (``nano_kvcache.launch``) the kernel reads block_tables, seq_lens, order and the
+    cache's tokens but each sequence's last before it waits for the kernel before it: that
+    kernel may write q and the last tokens' K/V only.
     """
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -471,6 +548,8 @@ def paged_decode(
         ORDERED=order is not None,
         PRECISION=_precision(q),
         F16_DOTS=fp16_dots and fp8 and q.dtype == torch.bfloat16,
+        EARLY=EARLY_TILES if dependent and torch.version.hip is None else 0,
+        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         PDL=dependent,
         num_warps=4,
         num_stages=2,

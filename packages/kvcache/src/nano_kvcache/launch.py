@@ -2,11 +2,14 @@
 
 A kernel launched this way may start while the kernel before it is finishing. It must wait
 (``tl.extra.cuda.gdc_wait()``) before it reads anything that kernel wrote; it then lets the
-next kernel start (``tl.extra.cuda.gdc_launch_dependents()``). Before its wait it may read
-only what no kernel of the forward writes (weights). Each kernel here waits, then lets the
-next one start, so when a kernel starts, everything two kernels back is complete. In a decode
-step of a few sequences, where each kernel lasts a few microseconds, the launch and a
-kernel's first weight reads then overlap the end of the kernel before.
+next kernel start (``tl.extra.cuda.gdc_launch_dependents()``). Each kernel here waits, then
+lets the next one start, so when a kernel starts, everything two kernels back is complete
+(everything before it when the kernel before never lets it start early, as cuBLAS's). Before
+its wait a kernel reads only what the kernel before it cannot be writing: weights, and for the
+decode attention and q/k rotary kernels the step's metadata (positions, slots, block tables,
+lengths) and the cache's older tokens (each sequence's new K/V is the rotary kernel's). In a
+decode step of a few sequences, where each kernel lasts a few microseconds, the launch and a
+kernel's first reads then overlap the end of the kernel before.
 """
 
 from __future__ import annotations

@@ -107,14 +107,24 @@ def _qk_norm_rope_kernel(
     FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # The step's positions and slots and the rotary table are older than the kernel before
+    # (under programmatic dependent launch it may still run: it makes qkv).
     t = tl.program_id(0)
     pos = tl.load(positions + t)
     c = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cos_sin + pos * stride_cs + c, mask=c < HALF, other=0.0)[None, :]
     sin = tl.load(cos_sin + pos * stride_cs + HALF + c, mask=c < HALF, other=0.0)[None, :]
+    # With STORE the token's K and V also go to its cache slot (slots < 0 are padding, skipped,
+    # as are slots past the cache).
+    keep = False
+    offset = 0
+    if STORE:
+        slot = tl.load(slot_mapping + t).to(tl.int64)
+        keep = (slot >= 0) & (slot < num_slots)
+        offset = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
+    if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = qkv + t * stride_qkv
     head_dim = 2 * HALF
     q_dst, k_dst = q_out + t * num_q * head_dim, k_out + t * num_k * head_dim
@@ -138,14 +148,6 @@ def _qk_norm_rope_kernel(
         False,
     )
     k_src = row + num_q * head_dim
-    # With STORE the token's K and V also go to its cache slot (slots < 0 are padding, skipped,
-    # as are slots past the cache).
-    keep = False
-    offset = 0
-    if STORE:
-        slot = tl.load(slot_mapping + t).to(tl.int64)
-        keep = (slot >= 0) & (slot < num_slots)
-        offset = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct
     _norm_rotate(
         k_src,
         k_dst,
