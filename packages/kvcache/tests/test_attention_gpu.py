@@ -125,6 +125,53 @@ def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens):
             check(out, ref, dtype)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the prefetch is NVIDIA PTX (off in the interpreter)")
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,head_dim",
+    [
+        (torch.bfloat16, torch.bfloat16, 96),  # rows of 192 bytes: not whole lines
+        (torch.float16, torch.float16, 48),
+        (torch.float32, torch.float32, 128),
+        (torch.bfloat16, torch.float8_e4m3fn, 128),
+        (torch.bfloat16, torch.float8_e4m3fn, 80),
+    ],
+)
+def test_the_decode_prefetch_changes_nothing(monkeypatch, dtype, cache_dtype, head_dim):
+    """The decode kernel asks L2 for its first tiles before its wait: the output is the
+    same, bit for bit, with none, one or two tiles prefetched (block size 16, ragged)."""
+    from nano_kvcache import attention
+
+    lens = [1, 17, 300, 1024, 33, 64]
+    rng = random.Random(head_dim)
+    g = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    num_blocks = sum(-(-n // 16) for n in lens) + 3
+    k_cache, v_cache = make_cache(num_blocks, 4, 16, head_dim, dtype, g)
+    scales = (1.0, 1.0)
+    if cache_dtype == torch.float8_e4m3fn:
+        k_cache, v_cache, scales = k_cache.to(cache_dtype), v_cache.to(cache_dtype), (0.5, 2.0)
+    tables = padded(tables_for(lens, 16, num_blocks, rng))
+    q = torch.randn(len(lens), 8, head_dim, generator=g, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for tiles in (0, 1, 2):
+        monkeypatch.setattr(attention, "EARLY_TILES", tiles)
+        outs.append(
+            attention.paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                head_dim**-0.5,
+                num_splits=4,
+                k_scale=scales[0],
+                v_scale=scales[1],
+            )
+        )
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 PREFILL_CASES = [
     # (block size, heads, kv heads, head dim, (new tokens, cached tokens) per sequence)
     (16, 16, 8, 128, [(37, 0), (5, 100), (64, 64), (1, 30)]),

@@ -41,9 +41,9 @@ _FP8_MAX_REGISTERS = {128: 128}
 # K/V tiles of its context the decode kernel prefetches into L2 before it waits for the kernel
 # before it (programmatic dependent launch; NVIDIA's PTX prefetch), so that its first loads
 # find them there: one sequence of 640 tokens, 28 layers on an H200, 5.9 -> 5.5 us a layer;
-# two tiles no better (benchmarks/RESULTS.md). 0: none.
+# two tiles within noise of one (benchmarks/RESULTS.md). 0: none; a power of two.
 EARLY_TILES = 1
-# The decode grid's programs, at least (splits of the context; see decode_splits).
+# The decode grid's programs, at least (up to decode_splits' max_splits; see decode_splits).
 DECODE_PROGRAMS = 1024
 
 
@@ -191,8 +191,9 @@ def _prefetch_tiles(
     TILES: tl.constexpr,
 ):
     """Prefetches into L2 the K and V rows of the tokens start .. start + TILES * BLOCK_N
-    (below end; block 0's rows in place of the others) through the block table: each row's
-    lines of 128 bytes, LINES a row (a power of two, at least the row's)."""
+    (below end; block 0's rows in place of the others) through the block table: LINES points
+    of each row, 128 bytes apart from its first value, the last clamped to its last value (a
+    power of two, at least the 128-byte lines a row can touch)."""
     tokens = start + tl.arange(0, TILES * BLOCK_N)
     pages = tl.load(table + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
     rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
@@ -290,9 +291,10 @@ def _decode_kernel(
     split = pid % NUM_SPLITS
     kv_head = (pid // NUM_SPLITS) % KV_HEADS
     seq = pid // (NUM_SPLITS * KV_HEADS)
-    # The step's metadata and the cache but for each sequence's new token are older than the
-    # kernel before this one (under programmatic dependent launch that kernel may still run:
-    # it makes q and stores the new token's K/V; everything before it is complete).
+    # The step's metadata (order, lengths, block tables) are older than the kernel before this
+    # one, which under programmatic dependent launch may still run (q/k rotary writing q and
+    # the new K/V, a prefill writing its output, a K/V store): read before the wait, with the
+    # first tile prefetched into L2 (a hint: the loads come after the wait).
     if ORDERED:  # longest first, so that the last programs to start are short
         seq = tl.load(order + seq)
     length = tl.load(seq_lens + seq)
@@ -438,6 +440,12 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _row_lines(row_bytes: int) -> int:
+    """The 128-byte lines a cache row can touch (one more when it is not whole lines: it may
+    start inside one), as a power of two."""
+    return triton.next_power_of_2(triton.cdiv(row_bytes, 128) + (row_bytes % 128 > 0))
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_splits: int = 16) -> int:
     """Splits of the context per (sequence, kv head): at least 1,024 programs, two to three
     waves on an H100/H200 (3 resident per multiprocessor). With the sequences taken longest
@@ -480,9 +488,9 @@ def paged_decode(
     them). ``fp16_dots``: over an FP8 cache with a bf16 q, compute in fp16 (on Hopper e4m3
     converts to fp16 in one instruction per two values, to bf16 in one more per value); False
     computes in bf16. Returns [B, heads, head_dim] in q's dtype. Under programmatic dependent
-    launch (``nano_kvcache.launch``) the kernel reads block_tables, seq_lens, order and the
-    cache's tokens but each sequence's last before it waits for the kernel before it: that
-    kernel may write q and the last tokens' K/V only.
+    launch (``nano_kvcache.launch``) the kernel reads block_tables, seq_lens and order before
+    it waits for the kernel before it (and prefetches its first K/V tile into L2): that kernel
+    must not write them.
     """
     batch, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -548,8 +556,8 @@ def paged_decode(
         ORDERED=order is not None,
         PRECISION=_precision(q),
         F16_DOTS=fp16_dots and fp8 and q.dtype == torch.bfloat16,
-        EARLY=EARLY_TILES if dependent and torch.version.hip is None else 0,
-        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        EARLY=EARLY_TILES if dependent else 0,
+        LINES=_row_lines(head_dim * k_cache.element_size()),
         PDL=dependent,
         num_warps=4,
         num_stages=2,
