@@ -187,14 +187,13 @@ def _prefetch_tiles(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LINES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    """Prefetches into L2 the K and V rows of the tokens start .. start + TILES * BLOCK_N
-    (below end; block 0's rows in place of the others) through the block table: LINES points
-    of each row, 128 bytes apart from its first value, the last clamped to its last value (a
-    power of two, at least the 128-byte lines a row can touch)."""
-    tokens = start + tl.arange(0, TILES * BLOCK_N)
+    """Prefetches into L2 the K and V rows of the tokens start .. start + TOKENS (below end;
+    block 0's rows in place of the others) through the block table: LINES points of each row,
+    128 bytes apart from its first value, the last clamped to its last value (a power of two,
+    at least the 128-byte lines a row can touch)."""
+    tokens = start + tl.arange(0, TOKENS)
     pages = tl.load(table + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
     rows = pages.to(tl.int64) * stride_kb + kv_base + (tokens % BLOCK_SIZE) * stride_kt
     per_line: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth
@@ -322,8 +321,7 @@ def _decode_kernel(
             BLOCK_SIZE,
             HEAD_DIM,
             LINES,
-            BLOCK_N,
-            EARLY,
+            EARLY * BLOCK_N,
         )
     if PDL:  # (programmatic dependent launch: what the kernel before wrote is complete)
         tl.extra.cuda.gdc_wait()
