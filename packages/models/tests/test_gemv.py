@@ -1,7 +1,8 @@
 """The few-row linear product (``gemv``) against float64 torch: rows 1 to 4 and more, outputs
 no tile divides, rows longer than one slice, a bias; e4m3 weights with a scale a row or a row
 and block of columns; which products the linear layers give it (FP8 layers too); bad input;
-the prologues that make the input (RMSNorm with the residual add, SiLU-and-mul).
+the prologue that makes the input (RMSNorm with the residual add) and the epilogue of a gated
+MLP's gate/up product (SiLU-and-mul).
 On the GPU also bf16 and fp16, and CUDA graphs in which it follows a kernel that
 writes its input and feeds another (programmatic dependent launch on Hopper). GPU-marked; with
 TRITON_INTERPRET=1 (float32) it also runs on the CPU."""
@@ -20,7 +21,6 @@ from nano_models.layers.activation import SiluAndMul
 from nano_models.layers.gemv import (
     GEMV_ROWS,
     Scales,
-    gated_gemv,
     gemv,
     normed_gemv,
     tiles,
@@ -123,7 +123,7 @@ def test_e4m3_weights_in_slices_walked_with_the_norm_and_activation(
     rows, block, programs, monkeypatch
 ):
     """Slices of 64 e4m3 values (two scale blocks of 32 each, or one scale a row), walked by
-    one program or dealt a program each; the normed and gated prologues."""
+    one program or dealt a program each; the normed prologue, the gated epilogue."""
     monkeypatch.setattr(gemv_module, "MAX_TILE", 64)
     if programs is not None:
         monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
@@ -140,13 +140,17 @@ def test_e4m3_weights_in_slices_walked_with_the_norm_and_activation(
     out, _, _ = normed_gemv(x, residual, norm_w, 1e-5, w8, scales=scales)
     h = rms_normed(x.double().cpu() + residual.double().cpu(), norm_w, 1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(h, dense), atol=1e-4, rtol=1e-4)
-    gate_up = torch.randn(rows, 2 * k).to(DEVICE)
-    gate, up = gate_up.double().cpu().chunk(2, dim=-1)
+    gate, up = reference(x, dense, b).chunk(2, dim=-1)
     torch.testing.assert_close(
-        gated_gemv(gate_up, w8, scales=scales).double().cpu(),
-        reference(gate * torch.sigmoid(gate) * up, dense),
+        gemv(x, w8, b, scales, glu=True).double().cpu(),
+        gate * torch.sigmoid(gate) * up,
         atol=1e-4,
         rtol=1e-4,
+    )
+    out, _, _ = normed_gemv(x, residual, norm_w, 1e-5, w8, scales=scales, glu=True)
+    gate, up = reference(h, dense).chunk(2, dim=-1)
+    torch.testing.assert_close(
+        out.double().cpu(), gate * torch.sigmoid(gate) * up, atol=1e-4, rtol=1e-4
     )
 
 
@@ -269,9 +273,9 @@ def test_a_linear_layer_of_a_few_rows_matches_torch(rows, monkeypatch):
 @pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1])
 def test_fp8_layers_of_a_few_rows_take_it_with_their_prologues(rows, scheme, monkeypatch):
     """FP8 layers (quantization="fp8": a scale a row; a checkpoint's 128 x 128 blocks): up to
-    GEMV_ROWS rows ``gemv`` reads the e4m3 weight and its scales, the norm and SiLU-and-mul in
-    its prologue; past that the layer's own FP8 product. Both against float64 products of the
-    weights the FP8 ones stand for."""
+    GEMV_ROWS rows ``gemv`` reads the e4m3 weight and its scales, the norm in its prologue and
+    SiLU-and-mul in the gate/up product's epilogue; past that the layer's own FP8 product. Both
+    against float64 products of the weights the FP8 ones stand for."""
     torch.manual_seed(rows)
     norm = RMSNorm(512, eps=1e-6).to("cuda", torch.bfloat16)
     norm.weight.uniform_(0.5, 1.5)
@@ -307,13 +311,13 @@ def test_fp8_layers_of_a_few_rows_take_it_with_their_prologues(rows, scheme, mon
     torch.testing.assert_close(normed, normed_ref, atol=0, rtol=2**-7)
     tol = tolerance(torch.bfloat16)
     torch.testing.assert_close(h.double().cpu(), reference(normed_ref, dequantize(up)), **tol)
-    act = SiluAndMul()
+    a, _, _ = up.normed(norm, x, residual, act=SiluAndMul())
+    gate, up_half = reference(normed_ref, dequantize(up)).chunk(2, dim=-1)
+    torch.testing.assert_close(a.double().cpu(), gate * torch.sigmoid(gate) * up_half, **tol)
     torch.testing.assert_close(
-        down(h, act=act).double().cpu(),
-        reference(act(h), dequantize(down), down.bias),
-        **tol,
+        down(a).double().cpu(), reference(a, dequantize(down), down.bias), **tol
     )
-    assert len(calls) == (2 if rows <= GEMV_ROWS else 0)
+    assert len(calls) == (3 if rows <= GEMV_ROWS else 0)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
@@ -399,22 +403,37 @@ def test_a_normed_product_takes_long_rows_in_slices(rows, programs, monkeypatch)
     torch.testing.assert_close(out.double().cpu(), reference(h, w), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("programs", [1, 3, None])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,bias", [(1, 64, 96, False), (2, 33, 200, True)])
-def test_the_gated_product_matches_float64(rows, n, k, bias, dtype):
-    _, w, b = operands(rows, n, k, dtype, seed=n + k, bias=bias)
-    h = (torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(3)) * 2).to(DEVICE, dtype)
-    gate, up = h.double().cpu().chunk(2, dim=-1)
-    act = gate * torch.sigmoid(gate) * up
-    out = gated_gemv(h, w, b)
-    assert out.shape == (rows, n) and out.dtype == dtype
-    torch.testing.assert_close(out.double().cpu(), reference(act, w, b), **tolerance(dtype))
+@pytest.mark.parametrize(
+    "rows,n,k,bias",
+    [
+        (1, 64, 96, False),
+        (2, 66, 200, True),  # (33 gate rows: no row block divides them)
+        (1, 2, 300, True),  # (one gate row, one up row)
+        (3, 40, 64, False),
+    ],
+)
+def test_the_gated_product_matches_float64(rows, n, k, bias, dtype, programs, monkeypatch):
+    """glu: SiLU(gate) * up of the [gate | up] products, each rounded to the dtype first (as
+    the layer's output), in row blocks dealt a program each or walked by one or three."""
+    if programs is not None:
+        monkeypatch.setattr(gemv_module, "_multiprocessors", lambda device: 1)
+        monkeypatch.setattr(gemv_module, "PROGRAMS_PER_SM", programs)
+        monkeypatch.setattr(gemv_module, "ONE_WAVE_BYTES", 0)
+    x, w, b = operands(rows, n, k, dtype, seed=n + k, bias=bias)
+    gate, up = reference(x, w, b).to(dtype).double().chunk(2, dim=-1)
+    out = gemv(x, w, b, glu=True)
+    assert out.shape == (rows, n // 2) and out.dtype == dtype
+    torch.testing.assert_close(
+        out.double().cpu(), gate * torch.sigmoid(gate) * up, **tolerance(dtype)
+    )
 
 
 def test_bad_prologue_input_is_refused():
-    x, w, _ = operands(1, 8, 16, torch.float32, seed=1)
-    with pytest.raises(ValueError, match=r"gate and up halves of 16 columns each.*\[1, 16\]"):
-        gated_gemv(x, w)
+    x, w, _ = operands(1, 7, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"gate and up halves: an even number of rows, got 7"):
+        gemv(x, w, glu=True)
     norm_w = torch.ones(16, device=DEVICE)
     with pytest.raises(ValueError, match=r"the norm's weight must be torch.float32 \[16\]"):
         normed_gemv(x, None, norm_w[:8], 1e-6, w)
@@ -424,7 +443,7 @@ def test_bad_prologue_input_is_refused():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the linear layers take it on a GPU only")
 @pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1])
-def test_layers_with_the_norm_or_activation_in_the_prologue_match_their_own_kernels(rows):
+def test_layers_with_the_norm_and_activation_inside_match_their_own_kernels(rows):
     """The fused layers (rows <= GEMV_ROWS) against the norm, SiLU-and-mul and product as
     separate torch kernels; past GEMV_ROWS the layers take those kernels themselves."""
     torch.manual_seed(rows)
@@ -450,8 +469,13 @@ def test_layers_with_the_norm_or_activation_in_the_prologue_match_their_own_kern
     torch.testing.assert_close(first, up(norm(x)), **tolerance(torch.bfloat16))
 
     act = SiluAndMul()
+    a, s_act, _ = up.normed(norm, x, residual, act=act)
+    assert torch.equal(s_act, s_ref)
+    assert a.shape == (rows, 96)
+    torch.testing.assert_close(a, act(h), atol=0, rtol=2**-7)  # (an ulp at most)
+    torch.testing.assert_close(up(normed_ref, act), act(up(normed_ref)), atol=0, rtol=2**-7)
     torch.testing.assert_close(
-        down(h, act=act).double().cpu(),
-        reference(act(h), down.weight, down.bias),
+        down(a).double().cpu(),
+        reference(a, down.weight, down.bias),
         **tolerance(torch.bfloat16),
     )

@@ -20,7 +20,8 @@ token and block of columns (as the checkpoints' dynamic activation scales are); 
 activations rounded per token (one Triton launch, ``nano_models.layers.fp8_quant``) and the
 weight's scales. At one or two rows on CUDA (a decode step of one or two sequences) both run
 as ``nano_models.layers.gemv``: the e4m3 weight widened in registers and each block's or row's
-sum scaled, the activations as they are, the layer's norm or SiLU-and-mul in its prologue.
+sum scaled, the activations as they are, the layer's norm in its prologue, SiLU-and-mul in the
+gate/up product's epilogue.
 Elsewhere (the CPU) both compute in float32 from the dequantized weights, the block scheme
 without rounding the activations: the reference the GPU paths are tested against.
 """

@@ -81,7 +81,8 @@ class LinearBase(nn.Module):
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether the product of x runs as ``gemv`` (a decode step of a few sequences on a
-        GPU), where the layer's input can be made in the product's prologue."""
+        GPU), where the layer's input can be made in the product's prologue and its
+        activation in the epilogue."""
         return gemv is not None and gemv.usable(x, self.weight, scaled=self.quant is not None)
 
     def gemv_scales(self):
@@ -89,15 +90,8 @@ class LinearBase(nn.Module):
         dtype)."""
         return None if self.quant is None else gemv.Scales(*self.quant.scales(self))
 
-    def matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None
-    ) -> torch.Tensor:
-        """x W^T + b; with ``act``, x holds a gated MLP's [gate | up] halves and the input is
-        act(x), made in the product's prologue where ``gemv`` takes it."""
-        if act is not None:
-            if self.takes_gemv(x):
-                return gemv.gated_gemv(x, self.weight, bias, self.gemv_scales())
-            x = act(x)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b."""
         if self.takes_gemv(x):
             return gemv.gemv(x, self.weight, bias, self.gemv_scales())
         if self.quant is not None:
@@ -105,7 +99,12 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
-        return self.matmul(x, self.bias, act)
+        """x W^T + b; with ``act`` (a column-parallel gated MLP's [gate | up] product),
+        act(x W^T + b), made in the product's epilogue where ``gemv`` takes it."""
+        if act is not None and self.tp_dim != 1 and self.takes_gemv(x):
+            return gemv.gemv(x, self.weight, self.bias, self.gemv_scales(), glu=True)
+        y = self.matmul(x, self.bias)
+        return y if act is None else act(y)
 
     def normed(
         self,
@@ -113,10 +112,11 @@ class LinearBase(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
         keep_normed: bool = False,
+        act: SiluAndMul | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(self(h), s, h) with s = x + residual (x without one) and h = norm(s): the norm is
-        the product's prologue where ``gemv`` takes it, and h is then kept (written) only
-        when ``keep_normed`` (else None). For layers whose forward is their product
+        """(self(h, act), s, h) with s = x + residual (x without one) and h = norm(s): the
+        norm is the product's prologue where ``gemv`` takes it, and h is then kept (written)
+        only when ``keep_normed`` (else None). For layers whose forward is their product
         (replicated, column-parallel)."""
         if self.tp_dim != 1 and self.takes_gemv(x) and norm.weight.dtype == x.dtype:
             return gemv.normed_gemv(
@@ -128,9 +128,10 @@ class LinearBase(nn.Module):
                 self.bias,
                 keep_normed,
                 self.gemv_scales(),
+                glu=act is not None,
             )
         h, s = (norm(x), x) if residual is None else norm(x, residual)
-        return self(h), s, h
+        return self(h, act), s, h
 
 
 class ReplicatedLinear(LinearBase):
@@ -231,6 +232,6 @@ class RowParallelLinear(LinearBase):
 
     tp_dim = 1
 
-    def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
-        y = self.matmul(x, self.bias if self.tp.rank == 0 else None, act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

@@ -84,15 +84,15 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act=self.act)
+        return self.down_proj(self.gate_up_proj(x, self.act))
 
     def normed(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm in the first product's prologue
-        where it can be (``LinearBase.normed``)."""
-        h, residual, _ = self.gate_up_proj.normed(norm, x, residual)
-        return self.down_proj(h, act=self.act), residual
+        """(self(norm(x + residual)), x + residual), the norm in the gate/up product's
+        prologue and SiLU-and-mul in its epilogue where they can be (``LinearBase.normed``)."""
+        h, residual, _ = self.gate_up_proj.normed(norm, x, residual, act=self.act)
+        return self.down_proj(h), residual
 
 
 class DecoderLayer(nn.Module):
