@@ -48,6 +48,7 @@ CASES = [  # tokens, experts, intermediate, hidden, top_k, tiles
     (2, 8, 24, 48, 8, ((8, 16, 2), (16, 64, 4))),  # (every expert chosen by both tokens)
     (3, 6, 48, 300, 4, ((32, 128, 4), (32, 16, 4))),
     (4, 128, 16, 32, 8, ((16, 256, 4), (16, 256, 4))),  # (tiles larger than the shapes)
+    (1, 16, 768, 64, 8, (None, None)),  # (the default tiles: rows of 768 in three slices)
 ]
 
 

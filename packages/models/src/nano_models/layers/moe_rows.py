@@ -38,9 +38,12 @@ ROWS_TOKENS = 3
 # benchmarks/bench_moe.py --sweep-rows on an H200 at Qwen3-30B-A3B's shapes and batch 1 (thin
 # tiles: many programs, each streaming a few whole rows). The down launch's BLOCK_K is the
 # longest slice of a row it takes at once (rounded down so that its k experts' BLOCK_N rows
-# hold at most 8,192 values).
+# hold at most 8,192 values). Swept again with 8 layers of cold experts in one graph (the
+# model's way): the down launch in slices of 256 by two warps, 24.6 us for both launches
+# against 25.5 with whole rows of 1,024 by four; Qwen3-30B-A3B at batch 1 381.6 against 375.8
+# output tok/s (benchmarks/RESULTS.md).
 UP_TILE = (8, 128, 8)
-DOWN_TILE = (1, 1024, 4)
+DOWN_TILE = (1, 256, 2)
 
 
 def routed_moe_rows(
