@@ -474,6 +474,9 @@ def test_layers_with_the_norm_and_activation_inside_match_their_own_kernels(rows
     assert a.shape == (rows, 96)
     torch.testing.assert_close(a, act(h), atol=0, rtol=2**-7)  # (an ulp at most)
     torch.testing.assert_close(up(normed_ref, act), act(up(normed_ref)), atol=0, rtol=2**-7)
+    other = torch.nn.Tanh()  # (not SiLU-and-mul: applied to the whole product, after it)
+    assert torch.equal(up(normed_ref, other), torch.tanh(up(normed_ref)))
+    assert torch.equal(up.normed(norm, x, residual, act=other)[0], torch.tanh(h))
     torch.testing.assert_close(
         down(a).double().cpu(),
         reference(a, down.weight, down.bias),

@@ -100,8 +100,9 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
         """x W^T + b; with ``act`` (a column-parallel gated MLP's [gate | up] product),
-        act(x W^T + b), made in the product's epilogue where ``gemv`` takes it."""
-        if act is not None and self.tp_dim != 1 and self.takes_gemv(x):
+        act(x W^T + b), made in the product's epilogue where ``gemv`` takes it (SiLU-and-mul;
+        another activation runs after the product)."""
+        if isinstance(act, SiluAndMul) and self.tp_dim != 1 and self.takes_gemv(x):
             return gemv.gemv(x, self.weight, self.bias, self.gemv_scales(), glu=True)
         y = self.matmul(x, self.bias)
         return y if act is None else act(y)
@@ -117,8 +118,10 @@ class LinearBase(nn.Module):
         """(self(h, act), s, h) with s = x + residual (x without one) and h = norm(s): the
         norm is the product's prologue where ``gemv`` takes it, and h is then kept (written)
         only when ``keep_normed`` (else None). For layers whose forward is their product
-        (replicated, column-parallel)."""
-        if self.tp_dim != 1 and self.takes_gemv(x) and norm.weight.dtype == x.dtype:
+        (replicated, column-parallel). ``act`` as in ``forward`` (gemv makes SiLU-and-mul
+        only)."""
+        gemv_act = act is None or isinstance(act, SiluAndMul)
+        if self.tp_dim != 1 and gemv_act and self.takes_gemv(x) and norm.weight.dtype == x.dtype:
             return gemv.normed_gemv(
                 x,
                 residual,
@@ -128,7 +131,7 @@ class LinearBase(nn.Module):
                 self.bias,
                 keep_normed,
                 self.gemv_scales(),
-                glu=act is not None,
+                glu=isinstance(act, SiluAndMul),
             )
         h, s = (norm(x), x) if residual is None else norm(x, residual)
         return self(h, act), s, h
