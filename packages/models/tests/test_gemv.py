@@ -476,7 +476,7 @@ def test_layers_with_the_norm_and_activation_inside_match_their_own_kernels(rows
     torch.testing.assert_close(up(normed_ref, act), act(up(normed_ref)), atol=0, rtol=2**-7)
     other = torch.nn.Tanh()  # (not SiLU-and-mul: applied to the whole product, after it)
     assert torch.equal(up(normed_ref, other), torch.tanh(up(normed_ref)))
-    assert torch.equal(up.normed(norm, x, residual, act=other)[0], torch.tanh(h))
+    assert torch.equal(up.normed(norm, x, residual, act=other)[0], torch.tanh(up(normed_ref)))
     torch.testing.assert_close(
         down(a).double().cpu(),
         reference(a, down.weight, down.bias),
