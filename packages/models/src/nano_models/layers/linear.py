@@ -102,7 +102,7 @@ class LinearBase(nn.Module):
         """x W^T + b; with ``act`` (a column-parallel gated MLP's [gate | up] product),
         act(x W^T + b), made in the product's epilogue where ``gemv`` takes it (SiLU-and-mul;
         another activation runs after the product)."""
-        if isinstance(act, SiluAndMul) and self.tp_dim != 1 and self.takes_gemv(x):
+        if isinstance(act, SiluAndMul) and self.takes_gemv(x):  # (row-parallel: own forward)
             return gemv.gemv(x, self.weight, self.bias, self.gemv_scales(), glu=True)
         y = self.matmul(x, self.bias)
         return y if act is None else act(y)
