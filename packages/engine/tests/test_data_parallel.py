@@ -233,6 +233,39 @@ def test_ray_replicas_serve_survive_a_killed_actor_and_leave_nothing(checkpoints
     assert _ray_processes() == []
 
 
+def test_an_output_travels_whole():
+    """What a replica sends (``to_wire``, pickled) is the output the front rebuilds: every
+    field of every completion, logprobs and prompt logprobs included; the prompt comes from
+    the front."""
+    import dataclasses
+    import pickle
+
+    from nano_engine.data_parallel.replica import from_wire, to_wire
+    from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+    lp = [Logprob.of(7, -0.25, [7, 9], [-0.25, -1.5], rank=1)]
+    out = RequestOutput(
+        "r-1",
+        None,
+        [],
+        [
+            CompletionOutput(0, "ab", [7], "stop", lp, "</s>"),
+            CompletionOutput(1, "c", [9, 4], None, None, None),
+        ],
+        finished=True,
+        num_cached_tokens=32,
+        metrics={"arrival_time": 1.0, "first_token_time": 2.0, "last_token_time": 2.5},
+        prompt_logprobs=[None, *lp],
+    )
+    wire = pickle.loads(pickle.dumps(to_wire(out)))
+    assert wire[-1] == 0.5  # (the span from the first token, in the replica's clock)
+    back = from_wire(wire, "the prompt", [5, 6])
+    expected = dataclasses.replace(out, prompt="the prompt", prompt_token_ids=[5, 6], metrics={})
+    assert back == expected
+    early = dataclasses.replace(out, metrics={"arrival_time": 1.0})
+    assert to_wire(early)[-1] is None
+
+
 # ---- the server --------------------------------------------------------------------------
 
 
@@ -242,7 +275,7 @@ def _replica_pids(server: ServerProcess) -> list[int]:
         ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,  # (ps exits 1 when the server has no child)
     ).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
@@ -301,3 +334,39 @@ def test_the_server_over_two_replicas(checkpoints, reference):
     finally:
         server.stop()
     assert exited(pids)
+
+
+def test_the_server_runs_its_engine_in_a_process_of_its_own(checkpoints, reference):
+    """By default the engine is a process of the server's (the front streams, the engine's
+    process steps); ``--disable-frontend-multiprocessing`` keeps it in the server's process.
+    The same tokens either way; a killed engine process is seen at once."""
+    path = checkpoints("qwen3")
+    options = ("--max-model-len=512", "--block-size=4", "--device=cpu")
+    prompts = sample_prompts()[:3]
+    for flags in ((), ("--disable-frontend-multiprocessing",)):
+        server = ServerProcess(path, *options, *flags)
+        try:
+            engines = _replica_pids(server)
+            assert len(engines) == (0 if flags else 1)
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+            for prompt, text in zip(prompts, reference[2]):
+                stream = client.completions.create(
+                    model=path, prompt=prompt, max_tokens=12, temperature=0, stream=True
+                )
+                assert "".join(chunk.choices[0].text for chunk in stream) == text
+            if flags:
+                assert "own process" not in server.output()
+                continue
+            os.kill(engines[0], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 503:
+                    break
+                time.sleep(0.1)
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+            with pytest.raises(openai.APIStatusError) as error:
+                client.completions.create(model=path, prompt=prompts[0], max_tokens=4)
+            assert error.value.status_code == 503
+            assert f"replica 0 (pid {engines[0]}" in server.output()  # (why, in the log)
+        finally:
+            server.stop()

@@ -56,9 +56,15 @@ def test_the_profile_holds_the_engine_and_what_was_measured(profile):
     served = [r for r in p.host["server"] if r.num_tokens]
     assert served and all(r.cpu is not None and r.server_cpu_at is not None for r in served)
     assert p.server["ingress"] and p.server["egress"] and p.server["workloads"]
+    # (served as `serve` runs by default: the engine in a process of its own, whose step log
+    # records the front process's CPU time in each iteration)
+    assert p.server["engine_process"] is True
+    fronts = [r.server_cpu_at for r in p.host["server"] if r.server_cpu_at is not None]
+    assert fronts == sorted(fronts) and fronts[-1] > 0
     model = ProfiledCostModel(p, "server")
     costs = model.server_costs
     assert costs.pass_seconds(1) > 0 and costs.latency >= 0
+    assert costs.own_process and costs.busy == 0 and not model._host.cpu
 
 
 def test_nano_sim_predicts_from_it(profile, tmp_path):

@@ -491,6 +491,25 @@ def test_a_request_handled_beside_the_computing_loop_thread_costs_more():
     assert host.busy_until == pytest.approx(0.0051 + 1.5e-3)
 
 
+def test_an_engine_in_its_own_process_computes_beside_the_event_loop():
+    """The same work as above with the engine in a process of its own: the loop thread is
+    never held up by the event loop, whose work still queues (requests, then passes)."""
+    from nano_scheduler.sim.host import ServerCosts, ServerHost
+
+    received = []
+    costs = ServerCosts(1e-3, 0.0, ((1, 1e-4), (64, 2e-3)), own_process=True)
+    host = ServerHost(costs, lambda seq, t, done: received.append((seq, t)))
+    host.send(0.0, 0, 10)
+    host.send(0.0001, 1, 10)
+    assert host.cpu(0.0, 0.002) == 0.002  # (in-process, it would wait for both requests)
+    assert host.accepted(0.002) == [0, 1]
+    host.publish(0.0025, [(7, False)])
+    host.send(0.0026, 2, 10)  # (arrives during the pass: handled after it)
+    assert host.cpu(0.0025, 0.001) == pytest.approx(0.0035)
+    assert host.next_accept(0.0035) == pytest.approx(0.0025 + 1e-4 + 1e-3)
+    assert received == [(7, pytest.approx(0.0025 + 1e-4))]
+
+
 def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     from nano_scheduler.sim.profile import _checksum
 

@@ -516,6 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write every iteration of the engine's loop and every request as JSON lines "
         "(every few seconds and at shutdown)",
     )
+    srv.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="run the engine in the server's process, as a thread beside the HTTP event loop "
+        "(by default it runs in a process of its own: the two then never wait for each "
+        "other's interpreter lock)",
+    )
     add_engine_options(srv)
 
     prof = command(
@@ -536,6 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-server",
         action="store_true",
         help="skip the measurements through the HTTP server (no nano-engine[serve])",
+    )
+    prof.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="measure the server with the engine in its process (as serve's flag runs it)",
     )
     add_engine_options(prof)
     return parser
@@ -807,9 +819,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--step-log records one engine's loop: it does not go with --data-parallel-size"
         )
-    engine = start_engine(config)
-    if args.step_log:  # (the server's event loop runs in this thread)
+    in_process = args.disable_frontend_multiprocessing
+    engine = start_engine(config, own_process=not in_process)
+    if args.step_log and in_process:  # (the server's event loop runs in this thread)
         engine.record_steps(args.step_log, watch=threading.main_thread())
+    elif args.step_log:
+        engine.record_steps(args.step_log)
     return run_server(
         engine,
         args.served_model_name or args.model,
@@ -854,7 +869,13 @@ def profile(args: argparse.Namespace) -> int:
             "--replicas): drop --data-parallel-size"
         )
     bars = Bars()
-    result = profile_engine(config, quick=args.quick, server=not args.no_server, progress=bars)
+    result = profile_engine(
+        config,
+        quick=args.quick,
+        server=not args.no_server,
+        progress=bars,
+        engine_process=not args.disable_frontend_multiprocessing,
+    )
     bars.close()
     result.save(args.out)
     print(report(result))

@@ -232,11 +232,12 @@ class LLMEngine:
         return bool(self._requests)
 
     def record_steps(
-        self, path: str | Path | None = None, watch: threading.Thread | None = None
+        self, path: str | Path | None = None, watch: threading.Thread | int | None = None
     ) -> StepRecorder:
         """Start a step log: every iteration of the loop and every request from now on, in
         memory or written to ``path`` (JSON lines, every few seconds and at shutdown);
-        ``watch``: a thread whose CPU time to record too (the server's event loop)."""
+        ``watch``: a thread whose CPU time to record too (the server's event loop), or the pid
+        of a process of this host (the server's front, the engine in a process of its own)."""
         if self.recorder is not None:
             self.recorder.close()
         self.recorder = StepRecorder(self.runner.device, path, watch)

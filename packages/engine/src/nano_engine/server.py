@@ -17,13 +17,11 @@ import asyncio
 import contextlib
 import errno
 import functools
-import gc
 import itertools
 import json
 import logging
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -39,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nano_engine._version import __version__
 from nano_engine.chat_reply import ChatReply
 from nano_engine.connections import Gate, error_body, error_response, http_protocol
+from nano_engine.interpreter import tune_for_serving
 from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -64,7 +63,6 @@ log = logging.getLogger("nano_engine.server")
 # Work below these sizes runs on the event loop: less than the hand-over to a thread costs.
 INLINE_CHARS = 4096  # characters to tokenize (about 4 ms for 4 KiB)
 INLINE_ENTRIES = 2048  # tokens x (logprobs + 1) to render into a response
-FULL_COLLECTION_THRESHOLD = 1000  # middle-generation collections before a full one (default 10)
 
 
 class APIError(Exception):
@@ -871,15 +869,8 @@ def serve(
     ``bind(host, port)``, else bound here."""
     import uvicorn
 
-    # The engine's step loop shares the GIL with this event loop; every time it waits for the
-    # GPU it must win the GIL back from a busy event loop, which by default takes up to 5 ms.
-    sys.setswitchinterval(0.0005)
-    # A full run of the cyclic collector walks every live object (~100 per open request) and
-    # stalls both threads: at the default thresholds one ran every ~3 s under load, 20-140 ms
-    # each on an H200 host (the ITL p99). Young collections stay as they are; a full one now
-    # waits for 100 times as many of them (minutes under load; cycles are rare here).
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_COLLECTION_THRESHOLD)
+    # (an engine in this process shares the GIL with the event loop)
+    tune_for_serving()
     files = raise_open_file_limit()
     if files < max_connections + 64:
         log.warning(

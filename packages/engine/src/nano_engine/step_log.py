@@ -12,6 +12,7 @@ shutdown, so a long run holds only the last few seconds in memory.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -55,6 +56,35 @@ class CollectorClock:
             gc.callbacks.remove(self._callback)
 
 
+class WatchedClock:
+    """The CPU clock of a thread of this process, or of another process of this host (the
+    server's front, when the engine runs in a process of its own: Linux lets a process read
+    another's CPU clock, not its threads'). A clock that is gone (its thread or process ended)
+    keeps its last reading."""
+
+    def __init__(self, watch: threading.Thread | int) -> None:
+        if isinstance(watch, threading.Thread):
+            self.clock = time.pthread_getcpuclockid(watch.ident)
+        else:  # (the clock id glibc's clock_getcpuclockid(pid) makes: CPUCLOCK_SCHED)
+            self.clock = (~watch << 3) | 2
+        self.origin = self.last = time.clock_gettime(self.clock)
+
+    @classmethod
+    def of(cls, watch: threading.Thread | int | None) -> WatchedClock | None:
+        """The clock of ``watch`` (None: nothing to watch, or a process not of this host)."""
+        if watch is None:
+            return None
+        try:
+            return cls(watch)
+        except OSError:
+            return None
+
+    def read(self) -> float:
+        with contextlib.suppress(OSError):
+            self.last = time.clock_gettime(self.clock)
+        return self.last
+
+
 class Phases:
     """Times one iteration of the loop by phase: ``mark(phase)`` adds the seconds since the
     previous mark to ``phase``. On a synchronous device a call computes before it returns:
@@ -66,7 +96,7 @@ class Phases:
         self,
         synchronous: bool,
         cpu: bool = False,
-        watch: tuple[int, float] | None = None,
+        watch: WatchedClock | None = None,
         collector: CollectorClock | None = None,
     ) -> None:
         self.synchronous = synchronous
@@ -76,9 +106,9 @@ class Phases:
         self.start = time.monotonic()  # (the iteration's, on the clock of the step log)
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time() if cpu else 0.0
-        # another thread's CPU clock (the server's event loop), and its reading at the log's start
-        self._watch, self._watch_origin = watch or (None, 0.0)
-        self._watch_start = time.clock_gettime(self._watch) if watch is not None else 0.0
+        # another thread's CPU clock (the server's event loop), and its reading now
+        self._watch = watch
+        self._watch_start = watch.read() if watch is not None else 0.0
         self._collector = collector
         self._gc_start = collector.seconds if collector is not None else 0.0
 
@@ -117,8 +147,8 @@ class Phases:
         if self._collector is not None:
             record.gc = self._collector.seconds - self._gc_start
         if self._watch is not None:
-            record.server_cpu = time.clock_gettime(self._watch) - self._watch_start
-            record.server_cpu_at = self._watch_start - self._watch_origin
+            record.server_cpu = self._watch.read() - self._watch_start
+            record.server_cpu_at = self._watch_start - self._watch.origin
         if self.synchronous:
             record.forward, record.sample_device = (
                 self.seconds["forward"],
@@ -203,15 +233,13 @@ class StepRecorder:
         self,
         device: torch.device,
         path: str | Path | None = None,
-        watch: threading.Thread | None = None,
+        watch: threading.Thread | int | None = None,
     ) -> None:
         """``watch``: a thread whose CPU time each iteration records (the server's event
-        loop, which competes with the loop thread for the GIL)."""
+        loop, which competes with the loop thread for the GIL), or the pid of a process of
+        this host (the server's front, when the engine runs in a process of its own)."""
         self.device = device
-        self.watch = None  # (the watched thread's CPU clock, its reading at the start)
-        if watch is not None:
-            clock = time.pthread_getcpuclockid(watch.ident)
-            self.watch = (clock, time.clock_gettime(clock))
+        self.watch = WatchedClock.of(watch)
         self.cuda = device.type == "cuda"
         self.collector = CollectorClock()
         self.collector.start()

@@ -59,6 +59,16 @@ class RequestStream:
         with self._cond:
             return self._take() if self._items else None
 
+    def drain(self) -> list[RequestOutput | BaseException]:
+        """Every output waiting, at once (an engine failure as the last item, not raised)."""
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+        if items:
+            last = items[-1]
+            self.finished = isinstance(last, BaseException) or last.finished
+        return items
+
     def _take(self) -> RequestOutput:
         item = self._items.popleft()
         if isinstance(item, BaseException):

@@ -2,7 +2,9 @@
 Ray (actors in a placement group, on one host or a cluster) or on this host's processes.
 
 ``start_engine(config)`` is what ``LLM`` and ``nano-engine serve`` call: one ``LLMEngine``, or a
-``Fleet`` when the config asks for several replicas.
+``Fleet`` when the config asks for several replicas. The server runs even one engine as a fleet
+of one process (``own_process``): its event loop then never holds the interpreter lock that the
+engine's step loop needs.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ def get_backend(name: str) -> Backend:
     return getattr(importlib.import_module(module), cls)()
 
 
-def start_engine(config: EngineConfig):
-    """The engine ``config`` describes: an ``LLMEngine``, or a ``Fleet`` of replicas."""
-    if config.data_parallel_size > 1:
+def start_engine(config: EngineConfig, own_process: bool = False):
+    """The engine ``config`` describes: an ``LLMEngine``, or a ``Fleet`` of replicas.
+    ``own_process``: one engine runs in a process of its own all the same (a fleet of one, on
+    this host's processes whatever ``data_parallel_backend`` says)."""
+    if config.data_parallel_size > 1 or own_process:
         from nano_engine.data_parallel.fleet import Fleet
 
+        if config.data_parallel_size == 1:
+            config = config.replace(data_parallel_backend="mp")
         return Fleet(config)
     from nano_engine.engine import LLMEngine
 

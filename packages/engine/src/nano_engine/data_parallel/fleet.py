@@ -16,13 +16,20 @@ import atexit
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 
 from nano_engine.config import EngineConfig
-from nano_engine.data_parallel.replica import Batch, ReplicaGone, ReplicaHandle, RequestSpec
+from nano_engine.data_parallel.replica import (
+    Batch,
+    ReplicaGone,
+    ReplicaHandle,
+    RequestSpec,
+    from_wire,
+)
 from nano_engine.outputs import RequestOutput
 from nano_engine.requests import RequestFactory, eos_token_ids, load_tokenizer, reasoning_tokens
 from nano_engine.stats import EngineStats
@@ -84,12 +91,15 @@ class Fleet:
             self.backend.stop(self.replicas)
             self.backend.release()
             raise
-        log.info(
-            "serving with %d replicas (%s routing): %s",
-            len(self.replicas),
-            config.router,
-            "; ".join(r.describe() for r in self.replicas),
-        )
+        if len(self.replicas) == 1:
+            log.info("the engine runs in its own process: %s", self.replicas[0].describe())
+        else:
+            log.info(
+                "serving with %d replicas (%s routing): %s",
+                len(self.replicas),
+                config.router,
+                "; ".join(r.describe() for r in self.replicas),
+            )
 
     def _start(self, config: EngineConfig, mc: ModelConfig, eos: set[int], reasoning) -> None:
         """The front's state over the started replicas, and a reader of each."""
@@ -236,13 +246,27 @@ class Fleet:
                 described.append(None)
         return described
 
-    def record_steps(self, *args, **kwargs):
-        raise ValueError(
-            "the step log records one engine's loop: run without data parallelism to record it"
-        )
+    def record_steps(self, path=None, watch=None) -> None:
+        """Start the step log of the one replica's engine, written to ``path`` there (at
+        shutdown and every few seconds), with this process's CPU time in each iteration (the
+        server's event loop and the threads that carry requests and outputs), where the
+        replica runs on this host. (``watch``: not used, the whole process is watched.)"""
+        if len(self.replicas) > 1:
+            raise ValueError(
+                "the step log records one engine's loop: run without data parallelism to record it"
+            )
+        if path is None:
+            raise ValueError(
+                "an engine in its own process writes its step log to a file: give a path"
+            )
+        here = self.config.data_parallel_backend == "mp"  # (a Ray actor may run elsewhere)
+        self.replicas[0].call("record_steps", str(path), os.getpid() if here else None)
 
     def stop_recording(self) -> None:
-        return None
+        """End the step log that ``record_steps`` started (written out)."""
+        if len(self.replicas) == 1 and self._serves(self.replicas[0]):
+            with contextlib.suppress(ReplicaGone):
+                self.replicas[0].call("stop_recording")
 
     def shutdown(self) -> None:
         """Stop every replica; requests still running end with an error."""
@@ -318,29 +342,29 @@ class Fleet:
         items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         with self._lock:
             self._stats[index] = batch.stats
-            for request_id, out in batch.outputs:
+            for wire in batch.outputs:
+                request_id = wire[0]
                 request = self._requests.get(request_id)
                 if request is None or request.replica != index:
                     continue  # (ended here already, or sent to another replica)
-                if isinstance(out, str):
+                if len(wire) == 2:  # (request id, why it failed there)
                     if batch.error is not None:
                         continue  # (the replica stopped: ``_lost`` decides)
                     del self._requests[request_id]
                     self.router.finish(request_id)
-                    items.append((request.stream, EngineDeadError(out)))
+                    items.append((request.stream, EngineDeadError(wire[1])))
                     continue
+                out = from_wire(wire, request.prompt, request.prompt_token_ids)
                 done = sum(len(o.token_ids) for o in out.outputs)
                 if not request.streamed:
                     done += request.params.n * len(request.prompt_token_ids)
                     request.streamed = True
                 self.router.progress(request_id, done)
-                replica_clock = out.metrics
-                if not request.first_token and replica_clock.get("first_token_time"):
+                span = wire[-1]
+                if not request.first_token and span is not None:
                     # (the replica's clock is not this one: its span since the first token,
                     # back from now)
-                    span = replica_clock["last_token_time"] - replica_clock["first_token_time"]
                     request.first_token = max(request.arrival, now - span)
-                out.prompt, out.prompt_token_ids = request.prompt, request.prompt_token_ids
                 out.metrics = {
                     "arrival_time": request.arrival,
                     "first_token_time": request.first_token,

@@ -28,6 +28,7 @@ from nano_engine.data_parallel.replica import (
     ReplicaHandle,
     RequestSpec,
 )
+from nano_engine.interpreter import tune_for_serving
 
 log = logging.getLogger("nano_engine")
 _START_TIMEOUT = 3600.0  # seconds for a replica to load (a dead one is seen at once)
@@ -42,6 +43,9 @@ def _replica_main(
 ) -> None:
     # (Ctrl-C reaches the whole process group: the front stops the replicas in order)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (the step loop shares this process's interpreter lock with the threads that take the
+    # front's commands and send it the outputs)
+    tune_for_serving()
     if visible is not None:  # (before anything initializes CUDA in this process)
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     try:
@@ -55,9 +59,9 @@ def _replica_main(
     sending = threading.Lock()
     stopped = threading.Event()
 
-    def call(method: str) -> None:
+    def call(method: str, args: tuple) -> None:
         try:
-            value = getattr(core, method)()
+            value = getattr(core, method)(*args)
         except Exception as e:  # (raised again in the front)
             value = e
         with sending:
@@ -74,7 +78,7 @@ def _replica_main(
                 elif kind == "call":
                     # (on a thread of its own: this one never waits on the results pipe, so
                     # the front's commands always go through, whatever its reader is doing)
-                    threading.Thread(target=call, args=(payload,), daemon=True).start()
+                    threading.Thread(target=call, args=payload, daemon=True).start()
                 else:  # stop
                     break
         except (EOFError, OSError):
@@ -145,9 +149,9 @@ class ProcessReplica(ReplicaHandle):
                 return payload
             self._calls.put(payload)  # (a call's result: its caller waits for it)
 
-    def call(self, method: str) -> object:
+    def call(self, method: str, *args) -> object:
         with self._calling:
-            self._send(("call", method))
+            self._send(("call", (method, args)))
             while True:
                 try:
                     value = self._calls.get(timeout=1.0)

@@ -76,10 +76,10 @@ class RayReplica(ReplicaHandle):
                     raise ReplicaGone(_why(e)) from e
                 raise
 
-    def call(self, method: str) -> object:
+    def call(self, method: str, *args) -> object:
         ray = self._ray
         try:
-            return ray.get(getattr(self.actor, method).remote())
+            return ray.get(getattr(self.actor, method).remote(*args))
         except ray.exceptions.RayActorError as e:
             raise ReplicaGone(_why(e)) from e
 

@@ -16,10 +16,10 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from nano_engine.config import EngineConfig
-from nano_engine.outputs import RequestOutput
+from nano_engine.outputs import CompletionOutput, RequestOutput
 from nano_engine.stats import EngineStats
 from nano_engine.streams import RequestStream
 from nano_scheduler import SamplingParams
@@ -49,12 +49,53 @@ class ReplicaInfo:
     max_model_len: int
 
 
+# A request's output on the wire: (request id, finished, cached prompt tokens, its completions'
+# (CompletionOutput's fields in order), prompt logprobs, seconds from
+# its first token to this output in the replica's clock, or None before the first token).
+# Plain tuples: they pickle several times faster than the dataclasses, and the replica's
+# sender takes the interpreter lock from its step loop for as long as it pickles.
+WireOutput = tuple[str, bool, int, list[tuple], list | None, float | None]
+
+
+def to_wire(out: RequestOutput) -> WireOutput:
+    """A (delta) output as it travels, without its prompt, which the front holds."""
+    times = out.metrics
+    first = times.get("first_token_time")
+    span = times["last_token_time"] - first if first else None
+    completions = [
+        (o.index, o.text, o.token_ids, o.finish_reason, o.logprobs, o.stop_reason)
+        for o in out.outputs
+    ]
+    return (
+        out.request_id,
+        out.finished,
+        out.num_cached_tokens,
+        completions,
+        out.prompt_logprobs,
+        span,
+    )
+
+
+def from_wire(wire: WireOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    """The output ``to_wire`` sent, with its request's prompt (metrics: the caller's)."""
+    request_id, finished, cached, completions, prompt_logprobs, _ = wire
+    return RequestOutput(
+        request_id,
+        prompt,
+        prompt_token_ids,
+        [CompletionOutput(*c) for c in completions],
+        finished,
+        cached,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
 @dataclass(frozen=True)
 class Batch:
-    """What a replica sends back: outputs (a message instead: the request failed there), its
-    engine's state, and why the engine stopped, if it did."""
+    """What a replica sends back: outputs as ``to_wire`` makes them (a message instead: the
+    request failed there), its engine's state, and why the engine stopped, if it did."""
 
-    outputs: list[tuple[str, RequestOutput | str]]
+    outputs: list[tuple[str, str] | WireOutput]
     stats: EngineStats
     error: str | None = None
 
@@ -126,23 +167,22 @@ class ReplicaCore:
             failed, self._failed = self._failed, []
         from nano_engine.llm import merge_outputs
 
-        outputs: list[tuple[str, RequestOutput | str]] = list(failed)
+        outputs: list[tuple[str, str] | WireOutput] = list(failed)
         seen = set()
         for stream in ready:
             if id(stream) in seen:
                 continue
             seen.add(id(stream))
-            merged = None
-            try:
-                while not stream.finished and (delta := stream.get_nowait()) is not None:
-                    merged = delta if merged is None else merge_outputs(merged, delta)
-            except Exception as e:  # (the engine stopped: its error, for this request)
-                outputs.append((stream.request_id, str(e)))
+            items = stream.drain()
+            if not items:
                 continue
-            if merged is not None:
-                outputs.append(
-                    (stream.request_id, replace(merged, prompt=None, prompt_token_ids=[]))
-                )
+            if isinstance(items[-1], BaseException):  # (the engine stopped: its error)
+                outputs.append((stream.request_id, str(items[-1])))
+                continue
+            merged = items[0]
+            for delta in items[1:]:
+                merged = merge_outputs(merged, delta)
+            outputs.append(to_wire(merged))
         error = self.engine.error
         return Batch(outputs, self.engine.replica_stats()[0], None if error is None else str(error))
 
@@ -151,6 +191,14 @@ class ReplicaCore:
 
     def describe(self) -> dict:
         return self.engine.describe()
+
+    def record_steps(self, path: str, front: int | None = None) -> None:
+        """The engine's step log, to ``path``, with the CPU time of the front's process
+        (``front``, its pid) where it runs on this host."""
+        self.engine.record_steps(path, watch=front)
+
+    def stop_recording(self) -> None:
+        self.engine.stop_recording()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -184,8 +232,9 @@ class ReplicaHandle(ABC):
     def poll(self) -> Batch: ...
 
     @abstractmethod
-    def call(self, method: str) -> object:
-        """Run a ``ReplicaCore`` method without arguments there and return its result."""
+    def call(self, method: str, *args) -> object:
+        """Run a ``ReplicaCore`` method there (with ``args``, which it must be able to
+        pickle) and return its result."""
 
     @abstractmethod
     def stop(self) -> None:

@@ -29,11 +29,16 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 def profile_engine(
-    config: EngineConfig, quick: bool = False, server: bool = True, progress: Progress | None = None
+    config: EngineConfig,
+    quick: bool = False,
+    server: bool = True,
+    progress: Progress | None = None,
+    engine_process: bool = True,
 ) -> Profile:
     """Start an engine with ``config``, measure it, shut it down; ``quick``: a small grid and
     short workloads (a CPU, a test); ``server``: also through the HTTP server (needs
-    nano-engine[serve])."""
+    nano-engine[serve]), which runs its engine in a process of its own unless not
+    ``engine_process`` (``serve --disable-frontend-multiprocessing``)."""
     report = progress or (lambda phase, done, total: None)
     timings: dict[str, float] = {}
     engine = LLMEngine(config)
@@ -99,7 +104,7 @@ def profile_engine(
         engine.shutdown()
     costs: dict = {}
     if server:  # (once this engine has given the device back)
-        host["server"], costs = phase("server loop", loop.server, config, work)
+        host["server"], costs = phase("server loop", loop.server, config, work, engine_process)
     return Profile(
         model={name: getattr(mc, name) for name in MODEL_FIELDS},
         device={**device, "count": config.tensor_parallel_size},

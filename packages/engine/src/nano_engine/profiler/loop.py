@@ -97,15 +97,20 @@ def _generate(engine, requests: list[Request], vocab: int) -> float:
     return time.perf_counter() - start
 
 
-def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRecord], dict]:
+def server(
+    config: EngineConfig, work: Workloads, engine_process: bool, progress
+) -> tuple[list[StepRecord], dict]:
     """Step records of workloads sent through ``nano-engine serve`` (started here with
-    ``config``, its step log on) by streaming clients, and the server's costs: ingress and
-    egress samples, the first request's extra time, and each workload's span of the log."""
+    ``config``, its step log on, its engine in a process of its own or not) by streaming
+    clients, and the server's costs: ingress and egress samples, the first request's extra
+    time, each workload's span of the log, and how the engine ran (``engine_process``)."""
     with tempfile.TemporaryDirectory(prefix="nano-engine-profile-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
         from nano_engine.cli import engine_flags
 
         options = engine_flags(config)
+        if not engine_process:
+            options.append("--disable-frontend-multiprocessing")
         with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
             target = Target(url, "profile", vocab=work.vocab)
             sweep = work.sweep()
@@ -133,6 +138,7 @@ def server(config: EngineConfig, work: Workloads, progress) -> tuple[list[StepRe
     if failed:
         raise RuntimeError(f"{len(failed)} profile requests failed; the first: {failed[0]}")
     costs = {**_server_costs(log, replays), "workloads": _workload_cpu(log.steps, spans)}
+    costs["engine_process"] = engine_process
     cold, *warm = (run.records[0] for run in replays[:3])
     ttft = min(r.times[0] - r.sent for r in warm)
     costs["first_request_s"] = max(0.0, cold.times[0] - cold.sent - ttft)

@@ -9,9 +9,12 @@ and outputs published into outputs received (``publish``, the ``receive`` callba
 received when published. ``ServerHost`` models the server's event loop thread as work taken in
 arrival order: each request's handling (parsing, validation, submission), and passes over
 the streams with new outputs (one pass takes every output published by the time it starts,
-so a loop that fell behind sends merged deltas, as the server does). The two threads share one
-interpreter lock: while both have work, each gets half of the time (CPython hands the lock over
-every switch interval); while the loop thread waits for the device, the event loop runs alone.
+so a loop that fell behind sends merged deltas, as the server does). With the engine in the
+server's process the two threads share one interpreter lock: the event loop keeps it while it
+has work, the loop thread computes in between; while the loop thread waits for the device, the
+event loop runs alone. With the engine in a process of its own (``ServerCosts.own_process``,
+the server's default), the event loop is the front process's work and runs beside the loop
+thread: it delays requests and outputs, never the loop.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ class ServerCosts:
     handling (a cold path); ``busy``: how much more a request's handling costs while the loop
     thread computes beside it, as a share (0.5: 1.5 times; the two threads trade the
     interpreter lock and the caches: on an H200 a request of 1,000 prompt tokens took 1.9-2.4
-    ms while the loop thread waited for the device, 3.2 ms beside an eager launch)."""
+    ms while the loop thread waited for the device, 3.2 ms beside an eager launch);
+    ``own_process``: the engine runs in a process of its own (the event loop's work is the
+    front process's and never holds the loop thread's lock)."""
 
     request: float
     prompt_token: float
@@ -80,6 +85,7 @@ class ServerCosts:
     latency: float = 0.0
     first_request: float = 0.0
     busy: float = 0.0
+    own_process: bool = False
 
     @cached_property
     def _passes(self) -> Piecewise:
@@ -137,9 +143,12 @@ class ServerHost:
         around every torch call and waits a switch interval to get it back; the event loop
         holds it for whole intervals), as measured: a pass over 256 streams delays the loop
         thread by its whole length. The event loop's work that starts meanwhile is the
-        costlier work beside a computing thread (``ServerCosts.busy``)."""
+        costlier work beside a computing thread (``ServerCosts.busy``). An engine in a
+        process of its own computes undisturbed."""
         if t >= self._next:
             self._run(t)  # (begun while the loop thread did not compute)
+        if self.costs.own_process:
+            return t + seconds
         self._computing = True
         try:
             while True:

@@ -274,8 +274,11 @@ class Profile:
     # with it, seconds], ...] (first token published -> received); workloads: [[first step,
     # end step (of host["server"]), requests, prompt tokens, the event loop thread's CPU
     # seconds, the seconds its requests were sent over (0: at once; older profiles lack it)],
-    # ...]; first_request_s: the first request's extra time. (The event loop's CPU time during
-    # each iteration is in the server's step records.)
+    # ...]; first_request_s: the first request's extra time; engine_process: whether the
+    # engine ran in a process of its own (the default; then the "event loop" CPU is the whole
+    # front process's, and no lock is shared with the loop thread; older profiles lack it:
+    # False). (The event loop's CPU time during each iteration is in the server's step
+    # records.)
     server: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)  # model name, date, version, command
 
@@ -395,6 +398,8 @@ class Profile:
                     _number(p, j, f"server.{name}[{i}]", low=0.0)
         if server.get("first_request_s") is not None:
             _number(server, "first_request_s", "server", low=0.0)
+        if not isinstance(server.get("engine_process", False), bool):
+            raise ValueError("server.engine_process must be true or false")
         meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
         return cls(model, device, engine, graphs, eager, sampling, host, server, meta)
 

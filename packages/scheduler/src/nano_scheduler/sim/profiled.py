@@ -13,11 +13,13 @@ Device time of a step:
 
 Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negative linear fits
 over the step records the profile measured through the chosen frontend (``offline``: the
-Python API, wall seconds; ``server``: the HTTP server with streaming clients, the loop thread's
-own CPU seconds, as the simulator shares the interpreter lock with the server's event loop
-itself). ``server_costs``: the event loop's work per request, prompt token, pass over the
-streams and chunk sent (a fit to its thread's CPU time over the profile's workloads), and the
-network's latency (what the first token of a lone request took beyond them).
+Python API, wall seconds; ``server``: the HTTP server with streaming clients: with the engine in
+a process of its own, wall seconds; in the server's process, the loop thread's own CPU seconds,
+as the simulator shares the interpreter lock with the server's event loop itself).
+``server_costs``: the event loop's work per request, prompt token, pass over the streams and
+chunk sent (a fit to its thread's CPU time, or the front process's, over the profile's
+workloads), and the network's latency (what the first token of a lone request took beyond
+them).
 
 No prediction is <= 0. A question far outside the profiled grid gets an answer extrapolated
 from the grid's edge and one warning per kind of question.
@@ -85,7 +87,12 @@ class ProfiledCostModel:
         budget = max_num_batched_tokens or engine.max_num_batched_tokens
         self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
         self._sample = Piecewise(profile.sampling[sampling])
-        self._host = HostModel(profile.host[frontend], engine.block_size, cpu=frontend == "server")
+        # (the loop thread's CPU time where the simulation shares the lock with the event
+        # loop itself; its wall time in an engine process of its own, where the lock's other
+        # holders, the threads carrying requests and outputs, are part of the loop's cost)
+        own = bool(profile.server.get("engine_process", False))
+        cpu = frontend == "server" and not own
+        self._host = HostModel(profile.host[frontend], engine.block_size, cpu=cpu)
         self.server_costs = (
             server_costs(profile.host["server"], profile.server) if frontend == "server" else None
         )
@@ -415,22 +422,26 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     if not points:
         raise ValueError("the profile's server measurements hold no pass over the streams")
     passes = Piecewise(increasing(points))
-    request, prompt_token, busy = _request_costs(records, server.get("workloads", []), passes)
+    own = bool(server.get("engine_process", False))
+    request, prompt_token, busy = _request_costs(
+        records, server.get("workloads", []), passes, shared=not own
+    )
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
     latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
     points = tuple(zip(passes.xs, passes.ys))
-    return ServerCosts(request, prompt_token, points, latency, first, busy)
+    return ServerCosts(request, prompt_token, points, latency, first, busy, own)
 
 
 def _request_costs(
-    records: list[StepRecord], workloads: list, passes
+    records: list[StepRecord], workloads: list, passes, shared: bool = True
 ) -> tuple[float, float, float]:
     """The event loop's handling of a request: seconds per request and per prompt token, and
     how much more it costs while the loop thread computes (``ServerCosts.busy``). Fitted on
     the event loop's CPU seconds of each iteration less its passes, as (requests, prompt
     tokens) times 1 + busy x the share of the iteration the loop thread computed (its CPU
-    seconds over the iteration's; 0 where the log has none), ``busy`` the best of a grid."""
+    seconds over the iteration's; 0 where the log has none), ``busy`` the best of a grid
+    (0 where the two do not share an interpreter: not ``shared``)."""
     spread = [w for w in workloads if len(w) > 5 and w[5] > 0]
     rows, residual, shares = [], [], []
     for first, end, *_ in spread or workloads[1:]:
@@ -445,7 +456,7 @@ def _request_costs(
     if not any(accepted for accepted, _ in rows):
         return 0.0, 0.0, 0.0
     best = None
-    for busy in [i / 20 for i in range(41)] if any(shares) else [0.0]:
+    for busy in [i / 20 for i in range(41)] if shared and any(shares) else [0.0]:
         scaled = [[n * (1 + busy * s), t * (1 + busy * s)] for (n, t), s in zip(rows, shares)]
         coef = nnls(scaled, residual)
         error = sum((coef[0] * x + coef[1] * y - r) ** 2 for (x, y), r in zip(scaled, residual))
