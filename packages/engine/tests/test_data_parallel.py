@@ -280,6 +280,21 @@ def _replica_pids(server: ServerProcess) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
 
 
+def _kill_the_last(server: ServerProcess, pid: int, client: openai.OpenAI, prompt) -> None:
+    """Kill the last engine process that serves: /health says 503 within seconds, and so
+    does a request."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if httpx.get(f"{server.url}/health", timeout=5).status_code == 503:
+            break
+        time.sleep(0.1)
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    with pytest.raises(openai.APIStatusError) as error:
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=4)
+    assert error.value.status_code == 503
+
+
 def test_the_server_over_two_replicas(checkpoints, reference):
     path = checkpoints("qwen3")
     server = ServerProcess(
@@ -321,16 +336,7 @@ def test_the_server_over_two_replicas(checkpoints, reference):
             reply = client.completions.create(model=path, prompt=prompt, max_tokens=4)
             assert reply.choices[0].text is not None
         assert "replica 0 (pid" in server.output() and "1 of 2 replicas serve" in server.output()
-        os.kill(pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 503:
-                break
-            time.sleep(0.1)
-        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
-        with pytest.raises(openai.APIStatusError) as error:
-            client.completions.create(model=path, prompt=prompts[0], max_tokens=4)
-        assert error.value.status_code == 503
+        _kill_the_last(server, pids[1], client, prompts[0])
     finally:
         server.stop()
     assert exited(pids)
@@ -357,16 +363,7 @@ def test_the_server_runs_its_engine_in_a_process_of_its_own(checkpoints, referen
             if flags:
                 assert "own process" not in server.output()
                 continue
-            os.kill(engines[0], signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 503:
-                    break
-                time.sleep(0.1)
-            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
-            with pytest.raises(openai.APIStatusError) as error:
-                client.completions.create(model=path, prompt=prompts[0], max_tokens=4)
-            assert error.value.status_code == 503
+            _kill_the_last(server, engines[0], client, prompts[0])
             assert f"replica 0 (pid {engines[0]}" in server.output()  # (why, in the log)
         finally:
             server.stop()
