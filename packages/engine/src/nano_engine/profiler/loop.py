@@ -114,11 +114,17 @@ def server(
         with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
             target = Target(url, "profile", vocab=work.vocab)
             sweep = work.sweep()
-            # The mixed workload arriving at 40% of the rate the engine served it offline
-            # (small batches, admissions beside them), then long outputs at twice it (queues,
-            # full batches of long contexts).
+            # The mixed workload arriving at 40% and 70% of the rate the engine served it
+            # offline (admissions beside few, then tens to a hundred decodes: a prompt chunk's
+            # launch depends on the decodes beside it, and a trace served under load makes
+            # most of its chunks beside those), then long outputs at twice it (queues, full
+            # batches of long contexts).
             count = 2 * work.max_num_seqs
-            mixed = [work.mixed(0.4 * work.served, count), work.mixed(2 * work.served, count, 1024)]
+            mixed = [
+                work.mixed(0.4 * work.served, count),
+                work.mixed(0.7 * work.served, work.max_num_seqs),
+                work.mixed(2 * work.served, count, 1024),
+            ]
             one = [Request(0.0, min(128, work.longest), 8)]
             workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
             # spans: [start, end (monotonic), requests, prompt tokens, seconds they were sent over]
