@@ -155,7 +155,8 @@ def test_a_killed_replica_ends_its_streams_and_the_other_serves_on(checkpoints, 
 
 def test_a_replica_that_cannot_start_is_named_and_nothing_is_left(checkpoints):
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"data-parallel replica \d did not start: ValueError"):
+    # (a user's error, as one engine would raise it, naming the replica)
+    with pytest.raises(ValueError, match=r"data-parallel replica \d did not start: the KV cache"):
         fleet(checkpoints, num_kvcache_blocks=2)  # (fewer blocks than one sequence needs)
     assert time.monotonic() - start < 60
     assert not any(p.name.startswith("nano-engine-dp") for p in _children())
@@ -347,7 +348,7 @@ def test_the_server_runs_its_engine_in_a_process_of_its_own(checkpoints, referen
     process steps); ``--disable-frontend-multiprocessing`` keeps it in the server's process.
     The same tokens either way; a killed engine process is seen at once."""
     path = checkpoints("qwen3")
-    options = ("--max-model-len=512", "--block-size=4", "--device=cpu")
+    options = ("-v", "--max-model-len=512", "--block-size=4", "--device=cpu")
     prompts = sample_prompts()[:3]
     for flags in ((), ("--disable-frontend-multiprocessing",)):
         server = ServerProcess(path, *options, *flags)
@@ -360,10 +361,31 @@ def test_the_server_runs_its_engine_in_a_process_of_its_own(checkpoints, referen
                     model=path, prompt=prompt, max_tokens=12, temperature=0, stream=True
                 )
                 assert "".join(chunk.choices[0].text for chunk in stream) == text
+            assert "rank 0: loaded" in server.output()  # (-v reaches the engine's process)
             if flags:
                 assert "own process" not in server.output()
                 continue
+            assert f"the engine runs in its own process: replica 0 (pid {engines[0]}" in (
+                server.output()
+            )
             _kill_the_last(server, engines[0], client, prompts[0])
             assert f"replica 0 (pid {engines[0]}" in server.output()  # (why, in the log)
         finally:
             server.stop()
+
+
+def test_a_setting_the_engine_refuses_is_one_clear_line(checkpoints):
+    """A user's error found while the engine's process starts reads as it would in one
+    process: one line naming the flag, exit status 2, no traceback; and nothing is left."""
+    import sys
+
+    from nano_engine.parallel import free_port
+
+    path = checkpoints("qwen3")
+    command = [sys.executable, "-m", "nano_engine.cli", "serve", path, "--port", str(free_port())]
+    command += ["--max-model-len=512", "--block-size=4", "--device=cpu", "--num-kvcache-blocks=1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors[-1].startswith("nano-engine: error:") and "--num-kvcache-blocks" in errors[-1]
+    assert "Traceback" not in done.stderr

@@ -33,6 +33,7 @@ from nano_engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from nano_engine.interpreter import LOG_FORMAT
 from nano_engine.reasoning import PARSERS as REASONING_PARSERS
 from nano_engine.tool_calls import FORMATS as TOOL_FORMATS
 from nano_scheduler.config import POLICIES
@@ -559,10 +560,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=LOG_FORMAT)
     try:
         commands = {
             "generate": generate,

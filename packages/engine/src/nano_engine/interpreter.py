@@ -10,6 +10,7 @@ import sys
 # from whichever thread took it meanwhile; CPython hands it over after the switch interval
 # (5 ms by default), which would then stall the loop for a whole interval.
 SWITCH_INTERVAL = 0.0005
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"  # (the command line's, every process)
 FULL_COLLECTION_THRESHOLD = 1000  # middle-generation collections before a full one (default 10)
 
 

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nano_engine.config import EngineConfig
 from nano_engine.data_parallel.replica import (
@@ -246,11 +247,14 @@ class Fleet:
                 described.append(None)
         return described
 
-    def record_steps(self, path=None, watch=None) -> None:
+    def record_steps(
+        self, path: str | Path | None = None, watch: threading.Thread | int | None = None
+    ) -> None:
         """Start the step log of the one replica's engine, written to ``path`` there (at
         shutdown and every few seconds), with this process's CPU time in each iteration (the
-        server's event loop and the threads that carry requests and outputs), where the
-        replica runs on this host. (``watch``: not used, the whole process is watched.)"""
+        server's event loop and the threads that carry requests and outputs). ``watch`` is
+        not used: the replica watches this whole process (``LLMEngine.record_steps``'s
+        signature)."""
         if len(self.replicas) > 1:
             raise ValueError(
                 "the step log records one engine's loop: run without data parallelism to record it"
@@ -259,8 +263,8 @@ class Fleet:
             raise ValueError(
                 "an engine in its own process writes its step log to a file: give a path"
             )
-        here = self.config.data_parallel_backend == "mp"  # (a Ray actor may run elsewhere)
-        self.replicas[0].call("record_steps", str(path), os.getpid() if here else None)
+        # (a fleet of one is a process of this host: ``start_engine``)
+        self.replicas[0].call("record_steps", str(path), os.getpid())
 
     def stop_recording(self) -> None:
         """End the step log that ``record_steps`` started (written out)."""

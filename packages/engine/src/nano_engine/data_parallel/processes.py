@@ -28,7 +28,7 @@ from nano_engine.data_parallel.replica import (
     ReplicaHandle,
     RequestSpec,
 )
-from nano_engine.interpreter import tune_for_serving
+from nano_engine.interpreter import LOG_FORMAT
 
 log = logging.getLogger("nano_engine")
 _START_TIMEOUT = 3600.0  # seconds for a replica to load (a dead one is seen at once)
@@ -40,21 +40,31 @@ def _replica_main(
     visible: str | None,
     commands: Connection,
     results: Connection,
+    log_level: int,
 ) -> None:
-    # (Ctrl-C reaches the whole process group: the front stops the replicas in order)
+    # (Ctrl-C and a service manager's SIGTERM reach the whole process group: the front stops
+    # the replicas in order, after its in-flight requests, and a front that dies closes the
+    # command pipe, which ends the replica)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # (the step loop shares this process's interpreter lock with the threads that take the
-    # front's commands and send it the outputs)
-    tune_for_serving()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     if visible is not None:  # (before anything initializes CUDA in this process)
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    loaded = threading.Event()
+    watcher = threading.Thread(target=_exit_if_abandoned, args=(commands, loaded), daemon=True)
+    watcher.start()
     try:
         core = ReplicaCore(config, index)
         info = core.info()
     except BaseException as e:
-        results.send(("failed", f"{type(e).__name__}: {e}"))
-        traceback.print_exc()
+        if not isinstance(e, ValueError):  # (a user's error needs no traceback)
+            traceback.print_exc()
+        with contextlib.suppress(OSError):
+            results.send(("failed", (type(e).__name__, str(e))))
         raise SystemExit(1) from None
+    finally:
+        loaded.set()
+        watcher.join()
     results.send(("ready", info))
     sending = threading.Lock()
     stopped = threading.Event()
@@ -96,6 +106,19 @@ def _replica_main(
         pass
     finally:
         core.shutdown()
+
+
+def _exit_if_abandoned(commands: Connection, loaded: threading.Event) -> None:
+    """While the engine loads: end this process at once if the front goes away or asks it to
+    stop (it sends nothing else before the replica is ready), rather than load a model for
+    nobody."""
+    while not loaded.is_set():
+        try:
+            if commands.poll(0.2):
+                commands.recv()  # (a stop)
+                os._exit(1)
+        except (EOFError, OSError):
+            os._exit(1)
 
 
 class ProcessReplica(ReplicaHandle):
@@ -149,7 +172,7 @@ class ProcessReplica(ReplicaHandle):
                 return payload
             self._calls.put(payload)  # (a call's result: its caller waits for it)
 
-    def call(self, method: str, *args) -> object:
+    def call(self, method: str, *args: object) -> object:
         with self._calling:
             self._send(("call", (method, args)))
             while True:
@@ -195,6 +218,7 @@ class ProcessBackend(Backend):
         gpus = _gpu_slices(n, config.tensor_parallel_size) if device == "cuda" else [None] * n
         context = mp.get_context("spawn")
         replica_config = config.replace(data_parallel_size=1, device=device)
+        level = logging.getLogger("nano_engine").getEffectiveLevel()  # (-v reaches them too)
         handles: list[ProcessReplica] = []
         for i in range(n):
             command_end, commands = context.Pipe(duplex=False)
@@ -202,7 +226,7 @@ class ProcessBackend(Backend):
             # (not a daemon: a replica starts tensor-parallel workers of its own)
             process = context.Process(
                 target=_replica_main,
-                args=(replica_config, i, gpus[i], command_end, result_end),
+                args=(replica_config, i, gpus[i], command_end, result_end, level),
                 name=f"nano-engine-dp{i}",
             )
             process.start()
@@ -229,9 +253,7 @@ class ProcessBackend(Backend):
                 except (EOFError, OSError):
                     kind, payload = "failed", handle._gone()
                 if kind != "ready":
-                    raise RuntimeError(
-                        f"data-parallel replica {handle.index} did not start: {payload}"
-                    )
+                    raise _start_error(handle.index, len(handles), payload)
                 handle.info = payload
             for handle in waiting.values():
                 if not handle.process.is_alive() and not handle._results.poll():
@@ -251,6 +273,20 @@ class ProcessBackend(Backend):
             replica.close(timeout=30.0)
 
 
+def _start_error(index: int, replicas: int, failure: str | tuple[str, str]) -> Exception:
+    """Why a replica did not start: a user's error (a ValueError in the replica: a setting
+    that does not fit the model or the device) as itself, the rest as a RuntimeError."""
+    if isinstance(failure, tuple):
+        kind, message = failure
+        if kind == "ValueError":
+            if replicas == 1:
+                return ValueError(message)
+            return ValueError(f"data-parallel replica {index} did not start: {message}")
+        failure = f"{kind}: {message}"
+    what = "the engine's process" if replicas == 1 else f"data-parallel replica {index}"
+    return RuntimeError(f"{what} did not start: {failure}")
+
+
 def _device(device: str) -> str:
     if device != "auto":
         return device
@@ -259,7 +295,7 @@ def _device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gpu_slices(replicas: int, tp: int) -> list[str]:
+def _gpu_slices(replicas: int, tp: int) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each replica: consecutive GPUs of those visible here."""
     import torch
 
@@ -270,6 +306,8 @@ def _gpu_slices(replicas: int, tp: int) -> list[str]:
         else [str(i) for i in range(torch.cuda.device_count())]
     )
     if len(ids) < replicas * tp:
+        if replicas == 1:  # (one engine in its own process: its own check says what is wrong)
+            return [None]
         raise ValueError(
             f"data_parallel_size {replicas} x tensor_parallel_size {tp} needs {replicas * tp} "
             f"GPUs; {len(ids)} are visible"

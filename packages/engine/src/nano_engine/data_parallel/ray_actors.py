@@ -76,7 +76,7 @@ class RayReplica(ReplicaHandle):
                     raise ReplicaGone(_why(e)) from e
                 raise
 
-    def call(self, method: str, *args) -> object:
+    def call(self, method: str, *args: object) -> object:
         ray = self._ray
         try:
             return ray.get(getattr(self.actor, method).remote(*args))

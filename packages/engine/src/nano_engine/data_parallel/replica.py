@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nano_engine.config import EngineConfig
+from nano_engine.interpreter import tune_for_serving
 from nano_engine.outputs import CompletionOutput, RequestOutput
 from nano_engine.stats import EngineStats
 from nano_engine.streams import RequestStream
@@ -49,11 +50,11 @@ class ReplicaInfo:
     max_model_len: int
 
 
-# A request's output on the wire: (request id, finished, cached prompt tokens, its completions'
-# (CompletionOutput's fields in order), prompt logprobs, seconds from
-# its first token to this output in the replica's clock, or None before the first token).
-# Plain tuples: they pickle several times faster than the dataclasses, and the replica's
-# sender takes the interpreter lock from its step loop for as long as it pickles.
+# A request's output on the wire: (request id, finished, cached prompt tokens, its completions
+# as tuples of CompletionOutput's fields in order, prompt logprobs, seconds from its first
+# token to this output in the replica's clock or None before it). A request that failed there
+# travels as (request id, why): two items. Plain tuples pickle several times faster than the
+# dataclasses, and the replica's sender holds its step loop's interpreter lock meanwhile.
 WireOutput = tuple[str, bool, int, list[tuple], list | None, float | None]
 
 
@@ -111,6 +112,9 @@ class ReplicaCore:
     def __init__(self, config: EngineConfig, index: int) -> None:
         from nano_engine.engine import LLMEngine
 
+        # (the step loop shares this process's interpreter lock with the threads that take
+        # the front's commands and send it the outputs)
+        tune_for_serving()
         self.index = index
         self.engine = LLMEngine(config)
         self._cond = threading.Condition()
@@ -232,7 +236,7 @@ class ReplicaHandle(ABC):
     def poll(self) -> Batch: ...
 
     @abstractmethod
-    def call(self, method: str, *args) -> object:
+    def call(self, method: str, *args: object) -> object:
         """Run a ``ReplicaCore`` method there (with ``args``, which it must be able to
         pickle) and return its result."""
 

@@ -77,7 +77,9 @@ class StepRecord:
     ``forward`` (the model, LM head included) and ``sample_device`` of this step's batch,
     measured when it resolves (None until then, or where not measured). ``cpu``: the loop
     thread's CPU seconds in each host phase (the wall time less waits for the GIL);
-    ``server_cpu``: the CPU seconds of the server's event loop thread during the iteration,
+    ``server_cpu``: the CPU seconds of the server's event loop thread during the iteration
+    (with the engine in a process of its own: of the whole front process, its event loop,
+    the threads that carry requests and outputs, and the tokenizing workers),
     ``server_cpu_at``: since the log began, when the iteration began. ``gc``: seconds of
     Python's cyclic garbage collector during the iteration, in any thread (a collection
     holds the GIL: every thread waits for it).
@@ -104,7 +106,7 @@ class StepRecord:
     forward: float | None = None
     sample_device: float | None = None
     cpu: list[float] | None = None  # the loop thread's CPU seconds of the five host phases
-    server_cpu: float | None = None  # the server's event loop thread's, meanwhile
+    server_cpu: float | None = None  # the server's event loop's (or front process's), meanwhile
     server_cpu_at: float | None = None  # its CPU seconds since the log began, at ``t``
     gc: float | None = None  # the garbage collector's seconds in the iteration
 
