@@ -817,12 +817,9 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--step-log records one engine's loop: it does not go with --data-parallel-size"
         )
-    in_process = args.disable_frontend_multiprocessing
-    engine = start_engine(config, own_process=not in_process)
-    if args.step_log and in_process:  # (the server's event loop runs in this thread)
+    engine = start_engine(config, own_process=not args.disable_frontend_multiprocessing)
+    if args.step_log:  # (the server's event loop runs in this thread; a fleet watches it all)
         engine.record_steps(args.step_log, watch=threading.main_thread())
-    elif args.step_log:
-        engine.record_steps(args.step_log)
     return run_server(
         engine,
         args.served_model_name or args.model,

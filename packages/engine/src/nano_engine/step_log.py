@@ -106,7 +106,7 @@ class Phases:
         self.start = time.monotonic()  # (the iteration's, on the clock of the step log)
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time() if cpu else 0.0
-        # another thread's CPU clock (the server's event loop), and its reading now
+        # another thread's or process's CPU clock (the server's), and its reading now
         self._watch = watch
         self._watch_start = watch.read() if watch is not None else 0.0
         self._collector = collector
