@@ -560,3 +560,101 @@ def test_decode_rejects_a_bad_order():
     for order in (torch.arange(2, dtype=torch.int32), torch.arange(3, dtype=torch.int64)):
         with pytest.raises(ValueError, match="order must be int32"):
             paged_decode(q, k_cache, k_cache, tables, lens, 0.1, order=order.to(DEVICE))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["dispatched", "direct"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_s_launches_serve_every_layer(dtype, direct, monkeypatch):
+    """``PrefillLaunches`` and ``DecodeLaunches`` (one step's attention, launched layer after
+    layer; with ``nano_kvcache.launch.DIRECT`` the later layers straight to the compiled
+    kernels) against each layer's own ``paged_prefill`` / ``paged_decode``: bit for bit, layer
+    after layer with other caches and other q, k, v, and where a layer's q has other strides
+    (the launch worked out again). Inside a CUDA graph too."""
+    from nano_kvcache import attention as A
+    from nano_kvcache import launch
+    from nano_kvcache.attention import (
+        DecodeLaunches,
+        PrefillLaunches,
+        paged_decode,
+        paged_prefill,
+    )
+
+    monkeypatch.setattr(launch, "DIRECT", direct)
+
+    block_size, heads, kv_heads, head_dim, layers = 16, 16, 8, 128, 3
+    chunks = [(300, 0), (77, 500)]  # (new tokens, cached before them)
+    decode_lens = [1, 640, 2000, 33]
+    rng = random.Random(7)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    lens = [n + c for n, c in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens + decode_lens) + 3
+    caches = [make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, g) for _ in range(3)]
+    tables = padded(tables_for(lens, block_size, num_blocks, rng))
+    decode_tables = padded(tables_for(decode_lens, block_size, num_blocks, rng))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int32, device=DEVICE)
+    order = torch.tensor([2, 1, 3, 0], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 300, 377], dtype=torch.int32, device=DEVICE)
+    tokens, scale = 377, head_dim**-0.5
+
+    def layer_inputs():
+        qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g, device=DEVICE)
+        qkv = qkv.to(dtype)
+        return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+
+    inputs = [layer_inputs() for _ in range(layers)]
+    # the last layer's q contiguous, not a view of a qkv buffer: other strides
+    inputs.append((inputs[0][0].contiguous(), *inputs[0][1:]))
+    decode_q = [torch.randn(4, heads, head_dim, generator=g, device=DEVICE).to(dtype)] * 2
+    wider = torch.randn(4, heads + 8, head_dim, generator=g, device=DEVICE).to(dtype)
+    decode_q.append(wider[:, :heads])  # (other strides)
+
+    def each_alone():
+        outs = []
+        for (q, k, v), (kc, vc) in zip(inputs, caches + caches[:1]):
+            outs.append(paged_prefill(q, k, v, kc, vc, tables, seq_lens, qsl, 300, scale, out=None))
+        for q, (kc, vc) in zip(decode_q, caches):
+            outs.append(paged_decode(q, kc, vc, decode_tables, decode_seq_lens, scale, order=order))
+        return outs
+
+    def as_a_step(outs):
+        prefill = PrefillLaunches(tables, seq_lens, qsl, 300)
+        decode = DecodeLaunches(decode_tables, decode_seq_lens, order)
+        views = iter(outs)
+        for (q, k, v), (kc, vc) in zip(inputs, caches + caches[:1]):
+            prefill(q, k, v, kc, vc, scale, next(views))
+        for q, (kc, vc) in zip(decode_q, caches):
+            decode(q, kc, vc, scale, next(views))
+
+    expected = each_alone()
+    outs = [torch.full_like(x, float("nan")) for x in expected]
+    dispatched = []
+    for kernel in (A._prefill_kernel, A._decode_kernel, A._merge_kernel):
+        run = kernel.run
+
+        def counted(*args, run=run, name=kernel.__name__, **kwargs):
+            dispatched.append(name)
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counted)
+    as_a_step(outs)
+    # Through Triton's dispatch: every launch (4 chunks' and 3 decodes' with their merges);
+    # direct: the first of each kind and those of the layer with other strides (worked out
+    # again), each kernel's first two.
+    counts = {name: dispatched.count(name) for name in set(dispatched)}
+    if direct and DEVICE == "cuda":
+        assert counts == {"_prefill_kernel": 2, "_decode_kernel": 2, "_merge_kernel": 2}
+    else:
+        assert counts == {"_prefill_kernel": 4, "_decode_kernel": 3, "_merge_kernel": 3}
+    for layer, (got, want) in enumerate(zip(outs, expected)):
+        assert torch.equal(got, want), f"launch {layer} differs"
+    if DEVICE == "cuda":
+        for x in outs:
+            x.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            as_a_step(outs)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, (got, want) in enumerate(zip(outs, expected)):
+            assert torch.equal(got, want), f"launch {layer} differs in a CUDA graph"

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_kvcache.launch import launch_options, pdl
+from nano_kvcache.launch import Relaunch, launch_options, pdl
 
 try:  # Triton >= 3.4: TMA descriptors built on the host
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -490,93 +490,142 @@ def paged_decode(
     it waits for the kernel before it (and prefetches its first K/V tile into L2): that kernel
     must not write them.
     """
-    batch, heads, head_dim = q.shape
-    _, kv_heads, block_size, _ = k_cache.shape
-    group = heads // kv_heads
-    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
-    out = torch.empty_like(q) if out is None else out
-    if batch == 0:
-        return out
-    if order is not None and (
-        order.shape != (batch,) or order.dtype != torch.int32 or order.device != q.device
-    ):
-        raise ValueError(
-            f"order must be int32 [{batch}] on {q.device} (a permutation of the batch), got "
-            f"{order.dtype} {list(order.shape)} on {order.device}"
-        )
-    splits = num_splits or decode_splits(batch, kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
-    dependent = pdl(q)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    options = launch_options(dependent)
-    cap = _FP8_MAX_REGISTERS.get(block_d)
-    if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
-        # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
-        # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
-        # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
-        # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
-        options["maxnreg"] = cap
-    if splits > 1:
-        part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
-        part_acc = torch.empty(
-            batch * heads * splits * head_dim, dtype=torch.float32, device=q.device
-        )
-    else:
-        part_ml = part_acc = out  # unused
-    _decode_kernel[(batch * kv_heads * splits,)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        seq_lens if order is None else order,
-        out,
-        part_ml,
-        part_acc,
-        scale * k_scale * _LOG2E,
-        v_scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        KV_HEADS=kv_heads,
-        NUM_SPLITS=splits,
-        ORDERED=order is not None,
-        PRECISION=_precision(q),
-        F16_DOTS=fp16_dots and fp8 and q.dtype == torch.bfloat16,
-        EARLY=EARLY_TILES if dependent else 0,
-        LINES=_row_lines(head_dim * k_cache.element_size()),
-        PDL=dependent,
-        num_warps=4,
-        num_stages=2,
-        **options,
-    )
-    if splits > 1:
-        _merge_kernel[(batch, heads)](
+    plan = DecodeLaunches(block_tables, seq_lens, order, num_splits, block_n, fp16_dots)
+    return plan(q, k_cache, v_cache, scale, out, k_scale, v_scale)
+
+
+class DecodeLaunches:
+    """``paged_decode`` of one step's decodes for every layer, as ``PrefillLaunches`` is for
+    its chunks: the metadata (block_tables, seq_lens, order; ``num_splits``, ``block_n``,
+    ``fp16_dots`` as there) taken once, the launch worked out by the first call, and the
+    kernel and its merge launched directly by the later calls whose tensors specialize them
+    the same way. The splits' partial results go through one pair of buffers for all layers:
+    a layer's merge is complete before the next layer's kernel writes them (stream order; under
+    programmatic dependent launch each kernel waits for the one before)."""
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        order: torch.Tensor | None = None,
+        num_splits: int | None = None,
+        block_n: int = 64,
+        fp16_dots: bool = True,
+    ) -> None:
+        self.block_tables, self.seq_lens, self.order = block_tables, seq_lens, order
+        self.num_splits, self.block_n, self.fp16_dots = num_splits, block_n, fp16_dots
+        self._key = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        _check_cache(q, k_cache, v_cache, k_scale, v_scale)
+        out = torch.empty_like(q) if out is None else out
+        key = _specialization(q, k_cache, v_cache, out)
+        if key != self._key:
+            self._key = None
+            if not self._setup(q, k_cache, out):
+                return out  # (no sequence)
+            self._key = key
+        part_ml, part_acc = self._parts
+        order = self.seq_lens if self.order is None else self.order
+        self._decode(
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seq_lens,
+            order,
+            out,
             part_ml,
             part_acc,
-            out,
+            scale * k_scale * _LOG2E,
+            float(v_scale),
+            *self._strides,
+        )
+        if self._merge is not None:
+            self._merge(part_ml, part_acc, out, out.stride(0), out.stride(1), q.shape[1])
+        return out
+
+    def _setup(self, q, k_cache, out) -> bool:
+        batch, heads, head_dim = q.shape
+        _, kv_heads, block_size, _ = k_cache.shape
+        if batch == 0:
+            return False
+        order = self.order
+        if order is not None and (
+            order.shape != (batch,) or order.dtype != torch.int32 or order.device != q.device
+        ):
+            raise ValueError(
+                f"order must be int32 [{batch}] on {q.device} (a permutation of the batch), got "
+                f"{order.dtype} {list(order.shape)} on {order.device}"
+            )
+        splits = self.num_splits or decode_splits(batch, kv_heads)
+        block_d = triton.next_power_of_2(head_dim)
+        dependent = pdl(q)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        options = launch_options(dependent)
+        cap = _FP8_MAX_REGISTERS.get(block_d)
+        if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
+            # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
+            # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
+            # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
+            # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
+            options["maxnreg"] = cap
+        if splits > 1:
+            self._parts = (
+                q.new_empty(batch * heads * splits * 2, dtype=torch.float32),
+                q.new_empty(batch * heads * splits * head_dim, dtype=torch.float32),
+            )
+        else:
+            self._parts = (out, out)  # unused
+        self._strides = (
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            self.block_tables.stride(0),
             out.stride(0),
             out.stride(1),
-            heads,
+        )
+        constexprs = dict(
+            BLOCK_SIZE=block_size,
+            GROUP=heads // kv_heads,
+            BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            BLOCK_N=self.block_n,
+            KV_HEADS=kv_heads,
             NUM_SPLITS=splits,
+            ORDERED=order is not None,
+            PRECISION=_precision(q),
+            F16_DOTS=self.fp16_dots and fp8 and q.dtype == torch.bfloat16,
+            EARLY=EARLY_TILES if dependent else 0,
+            LINES=_row_lines(head_dim * k_cache.element_size()),
             PDL=dependent,
-            num_warps=4,
-            **launch_options(dependent),
         )
-    return out
+        kwargs = {**constexprs, "num_warps": 4, "num_stages": 2, **options}
+        self._decode = Relaunch(_decode_kernel, (batch * kv_heads * splits,), kwargs)
+        self._merge = None
+        if splits > 1:
+            kwargs = dict(
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                NUM_SPLITS=splits,
+                PDL=dependent,
+                num_warps=4,
+                **launch_options(dependent),
+            )
+            self._merge = Relaunch(_merge_kernel, (batch, heads), kwargs)
+        return True
 
 
 @_metadata_jit(["block_tables", "seq_lens", "query_start_loc"])
@@ -834,92 +883,175 @@ def paged_prefill(
     V / v_scale; the new tokens' k and v are then rounded as the cache holds them, so that
     attention sees the same keys and values in every step. Returns [T, heads, head_dim].
     """
-    tokens, heads, head_dim = q.shape
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
-    if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(
-            f"k and v must be [{tokens}, {kv_heads}, {head_dim}] (q's tokens, the cache's kv "
-            f"heads and head_dim), got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
-    rows_tma = all(_tma_layout(x) for x in (q, k, v))
-    if tma is None:
-        tma = _has_tma(q.device) and rows_tma
-    elif tma and not rows_tma:
-        raise ValueError(
-            "tma=True needs q, k and v with 16-byte aligned rows of heads x head_dim contiguous "
-            f"values, head_dim a power of two, and Triton >= 3.4 (got strides {q.stride()}, "
-            f"{k.stride()} and {v.stride()}, head_dim {head_dim})"
-        )
-    out = torch.empty_like(q) if out is None else out
-    num_seqs = seq_lens.shape[0]
-    block_m, block_n, num_warps, num_stages = tile or prefill_tile(
-        max_query_len, q.dtype, cached_prefix, tokens // max(num_seqs, 1), tma
-    )
-    if block_n > block_m or block_m % block_n:
-        raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
-    if tokens == 0 or num_seqs == 0:
-        return out
-    block_d = triton.next_power_of_2(head_dim)
-    cache = "none"
-    if cached_prefix:
-        whole_tiles = block_size % block_n == 0
-        cache = "tma" if tma and whole_tiles and _tma_cache(k_cache, v_cache) else "pointers"
-    q_src, k_new, v_new, k_src, v_src = q, k, v, k_cache, v_cache
-    if tma:
-        q_src = TensorDescriptor(
-            q, [tokens, heads * head_dim], [q.stride(0), 1], [block_m, block_d]
-        )
-        k_new, v_new = (
-            TensorDescriptor(x, [tokens, kv_heads * head_dim], [x.stride(0), 1], [block_n, block_d])
-            for x in (k, v)
-        )
-    if cache == "tma":
-        rows = k_cache.numel() // head_dim
-        k_src, v_src = (
-            TensorDescriptor(x, [rows, head_dim], [head_dim, 1], [block_n, block_d])
-            for x in (k_cache, v_cache)
-        )
-    grid = (triton.cdiv(max_query_len, block_m), heads, num_seqs)
-    _prefill_kernel[grid](
-        q_src,
-        k_new,
-        v_new,
-        k_src,
-        v_src,
+    plan = PrefillLaunches(
         block_tables,
         seq_lens,
         query_start_loc,
-        out,
-        scale * k_scale * _LOG2E,
-        1.0 / k_scale,
-        1.0 / v_scale,
-        v_scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_SIZE=block_size,
-        GROUP=heads // kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        TMA=tma,
-        CACHE=cache,
-        PRECISION=_precision(q),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        max_query_len,
+        tile=tile,
+        tma=tma,
+        cached_prefix=cached_prefix,
     )
-    return out
+    return plan(q, k, v, k_cache, v_cache, scale, out, k_scale, v_scale)
+
+
+class PrefillLaunches:
+    """``paged_prefill`` of one step's chunks for every layer: the step's metadata
+    (block_tables, seq_lens, query_start_loc, max_query_len; ``tile``, ``tma`` and
+    ``cached_prefix`` as there) taken once, each call one layer's. The first call checks its
+    tensors and works out the tile, TMA and grid; a later call whose tensors have the same
+    shapes, strides, dtypes and alignments (a step's layers do) reuses them and launches the
+    compiled kernel directly (``nano_kvcache.launch.Relaunch``); any other goes the first's
+    way again. An eager step's 28 layers of Qwen3-0.6B took ~4 ms of host time before, mostly
+    here (benchmarks/RESULTS.md)."""
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        tile: tuple[int, int, int, int] | None = None,
+        tma: bool | None = None,
+        cached_prefix: bool = True,
+    ) -> None:
+        self.block_tables, self.seq_lens, self.query_start_loc = (
+            block_tables,
+            seq_lens,
+            query_start_loc,
+        )
+        self.max_query_len, self.tile, self.tma, self.cached_prefix = (
+            max_query_len,
+            tile,
+            tma,
+            cached_prefix,
+        )
+        self._key = None  # what the launch below was worked out for
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
+        _check_cache(q, k_cache, v_cache, k_scale, v_scale)
+        key = _specialization(q, k, v, k_cache, v_cache, out)
+        if key != self._key:
+            self._key = None
+            if not self._setup(q, k, v, k_cache, v_cache, out):
+                return out  # (no token, or no sequence)
+            self._key = key
+        tokens, block_m, block_n, block_d = self._tiles
+        q_src, k_new, v_new, k_src, v_src = q, k, v, k_cache, v_cache
+        if self._tma:  # (rows of heads x head_dim values; head_dim == block_d)
+            q_cols, kv_cols, rows = self._widths
+            q_src = TensorDescriptor(q, [tokens, q_cols], [q.stride(0), 1], [block_m, block_d])
+            k_new = TensorDescriptor(k, [tokens, kv_cols], [k.stride(0), 1], [block_n, block_d])
+            v_new = TensorDescriptor(v, [tokens, kv_cols], [v.stride(0), 1], [block_n, block_d])
+            if self._cache == "tma":
+                k_src, v_src = (
+                    TensorDescriptor(x, [rows, block_d], [block_d, 1], [block_n, block_d])
+                    for x in (k_cache, v_cache)
+                )
+        self._launch(
+            q_src,
+            k_new,
+            v_new,
+            k_src,
+            v_src,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            out,
+            scale * k_scale * _LOG2E,
+            1.0 / k_scale,
+            1.0 / v_scale,
+            float(v_scale),
+            *self._strides,
+        )
+        return out
+
+    def _setup(self, q, k, v, k_cache, v_cache, out) -> bool:
+        """Check a layer's tensors and work out its launch; False where there is nothing to
+        compute."""
+        tokens, heads, head_dim = q.shape
+        kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+        if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"k and v must be [{tokens}, {kv_heads}, {head_dim}] (q's tokens, the cache's kv "
+                f"heads and head_dim), got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError("q, k and v need a contiguous head_dim (stride 1)")
+        rows_tma = all(_tma_layout(x) for x in (q, k, v))
+        tma = self.tma
+        if tma is None:
+            tma = _has_tma(q.device) and rows_tma
+        elif tma and not rows_tma:
+            raise ValueError(
+                "tma=True needs q, k and v with 16-byte aligned rows of heads x head_dim "
+                "contiguous values, head_dim a power of two, and Triton >= 3.4 (got strides "
+                f"{q.stride()}, {k.stride()} and {v.stride()}, head_dim {head_dim})"
+            )
+        num_seqs = self.seq_lens.shape[0]
+        block_m, block_n, num_warps, num_stages = self.tile or prefill_tile(
+            self.max_query_len, q.dtype, self.cached_prefix, tokens // max(num_seqs, 1), tma
+        )
+        if block_n > block_m or block_m % block_n:
+            raise ValueError(f"block_n ({block_n}) must divide block_m ({block_m})")
+        if tokens == 0 or num_seqs == 0:
+            return False
+        block_d = triton.next_power_of_2(head_dim)
+        cache = "none"
+        if self.cached_prefix:
+            whole_tiles = block_size % block_n == 0
+            cache = "tma" if tma and whole_tiles and _tma_cache(k_cache, v_cache) else "pointers"
+        self._tma, self._cache = tma, cache
+        self._tiles = (tokens, block_m, block_n, block_d)
+        self._widths = (heads * head_dim, kv_heads * head_dim, k_cache.numel() // head_dim)
+        self._strides = (
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            self.block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+        )
+        grid = (triton.cdiv(self.max_query_len, block_m), heads, num_seqs)
+        constexprs = dict(
+            BLOCK_SIZE=block_size,
+            GROUP=heads // kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            TMA=tma,
+            CACHE=cache,
+            PRECISION=_precision(q),
+            FP8=k_cache.dtype == torch.float8_e4m3fn,
+        )
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        self._launch = Relaunch(_prefill_kernel, grid, {**constexprs, **options})
+        return True
+
+
+def _specialization(*tensors: torch.Tensor) -> tuple:
+    """What Triton specializes a launch on, of these tensors (and more: their shapes): equal
+    keys launch the same compiled kernel with the same strides."""
+    return (
+        *((x.shape, x.stride(), x.dtype, x.data_ptr() & 15) for x in tensors),
+        tensors[0].device,
+    )
