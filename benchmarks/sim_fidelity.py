@@ -10,9 +10,13 @@ simulate the same workload from the profile, compare.
    p50s, 20% on p99s); JSON and Markdown in OUT.
 
 Scenarios: ``load`` (the engine keeps up, bursts queue), ``saturated`` (arrivals far above its
-capacity) and ``what-if`` (other scheduler settings on both sides, at the load rate: a profile
-must predict configurations it was not measured with). Rates default to fractions of the
-capacity nano-sim predicts from the profile.
+capacity) and ``what-if`` (other scheduler settings on both sides: a profile must predict
+configurations it was not measured with). Rates default to multiples of the capacity nano-sim
+predicts from the profile: 0.6x for the load, 3x for the saturated run, and 0.6x of the
+what-if settings' own capacity for the what-if (fewer sequences a step serve less: at the
+load's rate the what-if of d3 in benchmarks/RESULTS.md ran at its capacity, where a queue
+makes any small error in the capacity a large one in latency, and the engine's own runs lay
+108% apart).
 
     python benchmarks/sim_fidelity.py benchmarks/configs/qwen3-0.6b.json --limit 1000 \\
         --out results/fidelity -- --load-format dummy --skip-tokenizer-init --max-model-len 16384
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import subprocess
@@ -36,7 +41,7 @@ from pathlib import Path
 from nano_engine.replay import ServedEngine, Target, replay
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
 from nano_scheduler.sim.cli import main as nano_sim
-from nano_scheduler.sim.metrics import nan_to_none, summarize
+from nano_scheduler.sim.metrics import RequestRecord, nan_to_none, percentiles, summarize
 from nano_scheduler.sim.profile import Profile, read_step_log
 from nano_scheduler.sim.profiled import ProfiledCostModel
 
@@ -54,7 +59,18 @@ METRICS = [
     ("e2e_s", "p50", 0.10),
     ("e2e_s", "p99", 0.20),
 ]
-NAMES = {"output_tok_per_s": "output tok/s", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL"}
+NAMES = {
+    "output_tok_per_s": "output tok/s",
+    "ttft_s": "TTFT",
+    "tpot_s": "TPOT",
+    "itl_s": "ITL",
+    "ingress_s": "in (sent -> the engine has it)",
+    "front_s": "of it, at the front (sent -> validated there)",
+    "egress_s": "out (first token published -> received)",
+}
+# Each request's way in and out, apart from the engine's own time (a diagnosis, not a target;
+# nano-sim has no front apart from the engine: its "front_s" is missing)
+RELAY = ("ingress_s", "front_s", "egress_s")
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -86,12 +102,13 @@ def simulate(profile: Path, trace: Path, rate_scale: float, out: Path, overrides
     return json.loads(out.read_text())["summary"]
 
 
-def capacity(profile: Path, trace: Path, workdir: Path) -> float:
-    """The rate scale at which nano-sim's engine serves what arrives no more: the output
-    throughput of the trace arriving 1000x faster, over the trace's offered throughput."""
+def capacity(profile: Path, trace: Path, workdir: Path, overrides=(), name="capacity") -> float:
+    """The rate scale at which nano-sim's engine (with ``overrides``) serves what arrives no
+    more: the output throughput of the trace arriving 1000x faster, over the trace's offered
+    throughput."""
     requests = load_azure_trace(trace)
     offered = sum(r.output_len for r in requests) / max(1e-9, requests[-1].arrival_time)
-    saturated = simulate(profile, trace, 1000.0, workdir / "capacity.json", [])
+    saturated = simulate(profile, trace, 1000.0, workdir / f"{name}.json", list(overrides))
     return saturated["output_tok_per_s"] / offered
 
 
@@ -106,7 +123,15 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
         target = Target(url, "sim", vocab=args.vocab, request_ids=name)
         run = replay(target, requests, args.processes)
     records, gaps = run.nano_sim_records()
+    timings = {t.id: t for t in read_step_log(log).requests}
+    records = [
+        with_engine_times(r, timings.get(f"{name}-{r.request}-0"), run.start) for r in records
+    ]
     engine = {**summarize(records, gaps), "failed": len(run.failures)}
+    # (of the way in, the part up to the front's validation: an engine in a process of its own)
+    front = [t.received - run.start - r.arrival for r in records
+             if (t := timings.get(f"{name}-{r.request}-0")) and t.received is not None]  # fmt: skip
+    engine["front_s"] = percentiles(front)
     engine["client_cpu_share"] = run.cpu_share
     late = sorted(run.lateness(requests))
     engine["client_lateness_s"] = {"p50": late[len(late) // 2], "max": late[-1]}
@@ -119,6 +144,16 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
             f"{len(run.failures)} requests failed; the first: {run.failures[0].error}"
         )
     return engine
+
+
+def with_engine_times(record: RequestRecord, timing, origin: float) -> RequestRecord:
+    """A client's record with the server's step log's times of the same request (one clock,
+    the host's monotonic one): when the engine had it, when its first token was published."""
+    if timing is None or timing.first_token is None:
+        return record
+    return dataclasses.replace(
+        record, accepted=timing.arrival - origin, first_published=timing.first_token - origin
+    )
 
 
 def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
@@ -154,11 +189,22 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
                 "met": abs(error) <= allowed,
             }
         )
+    relay = []  # (not targets: where the latencies' errors come from)
+    for key in RELAY:
+        for pct in ("p50", "p90"):
+            measured = [value(engine, key, pct) for engine in runs]
+            e = sum(measured) / len(measured)
+            s = value(sim, key, pct) if key in sim else math.nan
+            error = s / e - 1 if e and not math.isnan(e) and not math.isnan(s) else math.nan
+            relay.append(
+                {"metric": f"{NAMES[key]} {pct}", "engine": e, "nano-sim": s, "error": error}
+            )
     return {
         "scenario": name,
         "rate_scale": rate,
         "overrides": overrides,
         "rows": rows,
+        "relay": relay,
         "host_ratio": speeds,
     }
 
@@ -211,6 +257,20 @@ def table(results: list[dict]) -> str:
                 f"{fmt(row['metric'], row['nano-sim'])} | "
                 f"{row['error']:+.1%} | {row['allowed']:.0%}{mark} |"
             )
+    relay = [(res, row) for res in results for row in res.get("relay", ())]
+    if relay:
+        lines += [
+            "",
+            "| scenario | way | engine | nano-sim | error |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for res, row in relay:
+            lines.append(
+                f"| {res['scenario']} | {row['metric']} | {fmt('', row['engine'])} | "
+                f"{fmt('', row['nano-sim'])} | "
+                + ("-" if math.isnan(row["error"]) else f"{row['error']:+.1%}")
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -230,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="profile with a small grid (CPU, tests)")
     p.add_argument("--load-rate", type=float, help="rate scale of the load scenario")
     p.add_argument("--saturated-rate", type=float, help="rate scale of the saturated one")
+    p.add_argument("--what-if-rate", type=float, help="rate scale of the what-if scenario")
     p.add_argument(
         "--what-if",
         default="--max-num-batched-tokens 4096 --max-num-seqs 64",
@@ -269,17 +330,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(scenarios) - {"load", "saturated", "what-if"}
     if unknown:
         p.error(f"unknown scenarios {sorted(unknown)}")
-    if args.load_rate is None or args.saturated_rate is None:
-        limit = capacity(profile, trace, args.out)
-        print(f"== nano-sim's capacity: {limit:.2f}x the trace's rate", flush=True)
-    rates = {
-        "load": args.load_rate or 0.6 * limit,
-        "saturated": args.saturated_rate or 3.0 * limit,
-    }
-    rates["what-if"] = rates["load"]
+    what_if = args.what_if.split()
+    given = {"load": args.load_rate, "saturated": args.saturated_rate, "what-if": args.what_if_rate}
+    rates, limits = {}, {}
+    for name in scenarios:
+        if given[name] is not None:
+            rates[name] = given[name]
+            continue
+        overrides = what_if if name == "what-if" else []
+        tag = "capacity-what-if" if name == "what-if" else "capacity"
+        if tag not in limits:
+            limits[tag] = capacity(profile, trace, args.out, overrides, tag)
+            settings = " ".join(overrides) or "as profiled"
+            print(f"== nano-sim's capacity ({settings}): {limits[tag]:.2f}x the trace's rate")
+        rates[name] = (3.0 if name == "saturated" else 0.6) * limits[tag]
     results = []
     for name in scenarios:
-        overrides = args.what_if.split() if name == "what-if" else []
+        overrides = what_if if name == "what-if" else []
         print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
         results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
         print(table(results[-1:]) + "\n\n" + host_note(results[-1:]), flush=True)

@@ -185,12 +185,24 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
             log = read_step_log(out / d / "steps.jsonl")
             assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
         assert all(len(r["requests"]) == 30 for r in runs)
+        # The ways in and out of each request, the engine's from its step log joined with the
+        # clients' times (one clock): positive, below the whole TTFT, on both sides.
+        # The part at the front (the engine in a process of its own): the engine's only.
+        ways = {row["metric"].split()[0] for row in result["relay"]}
+        assert ways == {"in", "of", "out"}
+        for row in result["relay"]:
+            assert 0 < row["engine"] < rows["TTFT p99"]["engine"]
+            if row["metric"].startswith("of it"):
+                assert row["nano-sim"] is None  # (NaN in the JSON: null)
+            else:
+                assert row["nano-sim"] >= 0
         # Each run's host speed against the profile's (the CPU machine's is near 1, not far).
         assert len(result["host_ratio"]) == 2
         assert all(0.2 < x < 5 for x in result["host_ratio"])
     assert "host time against the profile's prediction" in (out / "fidelity.md").read_text()
     table = (out / "fidelity.md").read_text()
     assert table.startswith("| scenario | metric | engine | engine's runs apart | nano-sim |")
+    assert "| what-if | in (sent -> the engine has it) p50 |" in table
     assert "metrics outside their targets" in proc.stdout
 
 

@@ -27,6 +27,7 @@ from profile_helpers import (
 from nano_scheduler import SchedulerConfig, cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim import BatchShape, DeviceOnlyModel, Request, Simulator
 from nano_scheduler.sim.fit import Piecewise, increasing, nnls
+from nano_scheduler.sim.metrics import summarize
 from nano_scheduler.sim.profile import Profile, StepRecord
 from nano_scheduler.sim.profiled import ProfiledCostModel
 
@@ -212,6 +213,27 @@ def test_a_synchronous_device_admits_it_one_step_later():
     second = run_two(synchronous=True)[1]
     assert second.first_scheduled == pytest.approx(0.020)
     assert second.first_token == pytest.approx(0.040)
+
+
+def test_a_request_s_way_in_and_out_through_the_server():
+    """A lone request through a server of known costs (the engine in its own process): the
+    way in is the network's latency and its handling, the way out the latency and a pass over
+    one stream; offline, both are nothing."""
+    from nano_scheduler.sim.host import ServerCosts
+
+    latency, handling, one_pass = 0.002, 0.001, 0.0003
+    costs = ServerCosts(handling, 0.0, ((1, one_pass), (64, 0.002)), latency, own_process=True)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    served = Simulator([Request(0.0, 32, 5)], FixedSteps(False), config, 64, server=costs)
+    (record,) = served.run().requests
+    assert record.ingress == pytest.approx(latency + handling)
+    assert record.egress == pytest.approx(latency + one_pass)
+    assert record.first_token - record.arrival > record.ingress + record.egress
+    (offline,) = Simulator([Request(0.0, 32, 5)], FixedSteps(False), config, 64).run().requests
+    assert offline.ingress == 0.0 and offline.egress == 0.0
+    summary = summarize([record], [])
+    assert summary["ingress_s"]["p50"] == pytest.approx(latency + handling)
+    assert summary["egress_s"]["p50"] == pytest.approx(latency + one_pass)
 
 
 # ---- bad profiles ------------------------------------------------------------------------------
@@ -483,11 +505,11 @@ def test_a_request_handled_beside_the_computing_loop_thread_costs_more():
     host = ServerHost(costs, lambda *a: None)
     host.send(0.0, 0, 10)
     assert host.free(0.0, 0.004) == 0.004  # (the loop thread waits: the request costs 1 ms)
-    assert host.accepted(0.004) == [0]
+    assert [position for _, position in host.accepted(0.004)] == [0]
     host.send(0.0051, 1, 10)
     end = host.cpu(0.005, 0.002)  # (computing from 5 ms: the request comes in at 5.1 ms)
     assert end == pytest.approx(0.005 + 0.002 + 1.5e-3)
-    assert host.accepted(end) == [1]
+    assert [position for _, position in host.accepted(end)] == [1]
     assert host.busy_until == pytest.approx(0.0051 + 1.5e-3)
 
 
@@ -502,7 +524,7 @@ def test_an_engine_in_its_own_process_computes_beside_the_event_loop():
     host.send(0.0, 0, 10)
     host.send(0.0001, 1, 10)
     assert host.cpu(0.0, 0.002) == 0.002  # (in-process, it would wait for both requests)
-    assert host.accepted(0.002) == [0, 1]
+    assert [position for _, position in host.accepted(0.002)] == [0, 1]
     host.publish(0.0025, [(7, False)])
     host.send(0.0026, 2, 10)  # (arrives during the pass: handled after it)
     assert host.cpu(0.0025, 0.001) == pytest.approx(0.0035)

@@ -314,7 +314,9 @@ class LLMEngine:
                             self.scheduler.add(seq)
                         if self.recorder is not None:
                             ids = payload.prompt_token_ids
-                            self.recorder.accepted(payload.request_id, payload.arrival, len(ids))
+                            self.recorder.accepted(
+                                payload.request_id, payload.arrival, len(ids), payload.received
+                            )
                     elif kind == "abort":
                         self._abort(payload)
                     else:  # reset_prefix_cache

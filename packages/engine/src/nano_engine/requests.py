@@ -39,6 +39,8 @@ class Request:
     grammar_after: list[int | None] | None = None
     bad_words: list[tuple[int, ...]] | None = None  # bad_words as token sequences
     prompt_logprobs: list[Logprob | None] | None = None  # [None] at first, when asked for
+    # when a server's front in another process had it validated (monotonic: one host's clock)
+    received: float | None = None
     _prompt_logprobs_sent: bool = False
 
     def record_prompt_logprob(self, position: int, logprob: Logprob) -> None:

@@ -282,8 +282,11 @@ class StepRecorder:
         if self.path is not None and time.monotonic() - self._flushed > _FLUSH_EVERY:
             self.flush()
 
-    def accepted(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
-        self._open[request_id] = RequestTiming(request_id, arrival, prompt_tokens)
+    def accepted(
+        self, request_id: str, arrival: float, prompt_tokens: int, received: float | None = None
+    ) -> None:
+        timing = RequestTiming(request_id, arrival, prompt_tokens, received=received)
+        self._open[request_id] = timing
         self._accepted[0] += 1
         self._accepted[1] += prompt_tokens
 

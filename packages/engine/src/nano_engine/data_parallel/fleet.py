@@ -69,6 +69,7 @@ class FleetRequest:
             self.params,
             self.stream_deltas,
             self.reasoning,
+            self.arrival,
         )
 
 

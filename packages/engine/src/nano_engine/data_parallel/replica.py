@@ -36,6 +36,7 @@ class RequestSpec:
     params: SamplingParams
     stream_deltas: bool
     reasoning: bool
+    received: float | None = None  # when the front validated it (its monotonic clock)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class ReplicaCore:
             except Exception as e:  # (the front validated it: an engine that stopped, say)
                 self._fail(spec.request_id, str(e))
                 continue
-            request.prompt = spec.text
+            request.prompt, request.received = spec.text, spec.received
             requests.append(request)
         if not requests:
             return

@@ -46,11 +46,11 @@ class OfflineHost:
         """Whether a request is accepted by ``t`` (and not taken yet)."""
         return bool(self._accepted) and self._accepted[0][0] <= t
 
-    def accepted(self, t: float) -> list[int]:
-        """The requests accepted by ``t`` (each once), in order."""
+    def accepted(self, t: float) -> list[tuple[float, int]]:
+        """The requests accepted by ``t`` (each once), in order: (when, position)."""
         out = []
         while self._accepted and self._accepted[0][0] <= t:
-            out.append(self._accepted.popleft()[1])
+            out.append(self._accepted.popleft())
         return out
 
     def cpu(self, t: float, seconds: float) -> float:
@@ -130,11 +130,11 @@ class ServerHost:
         self._run(t)
         return bool(self._accepted) and self._accepted[0][0] <= t
 
-    def accepted(self, t: float) -> list[int]:
+    def accepted(self, t: float) -> list[tuple[float, int]]:
         self._run(t)
         out = []
         while self._accepted and self._accepted[0][0] <= t:
-            out.append(self._accepted.popleft()[1])
+            out.append(self._accepted.popleft())
         return out
 
     def cpu(self, t: float, seconds: float) -> float:

@@ -16,7 +16,11 @@ PERCENTILES = (50, 90, 99)
 @dataclass(frozen=True)
 class RequestRecord:
     """One request's life in seconds on one clock: sent (``arrival``), first scheduled, its
-    first token and its end received. A client's records have no ``first_scheduled`` (None)."""
+    first token and its end received. A client's records have no ``first_scheduled`` (None).
+    Where known (the simulator's; a replay joined with the server's step log): when the engine
+    had it (``accepted``: its loop takes it in at its next iteration) and when its loop
+    published its first token (``first_published``): the way in and out, apart from the
+    engine's own time."""
 
     request: int  # index in the workload
     arrival: float
@@ -27,6 +31,8 @@ class RequestRecord:
     output_len: int
     preemptions: int = 0
     finish_reason: str = "length"
+    accepted: float | None = None
+    first_published: float | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestRecord:
@@ -55,6 +61,16 @@ class RequestRecord:
         return None if self.first_scheduled is None else self.first_scheduled - self.arrival
 
     @property
+    def ingress(self) -> float | None:
+        """From sent to the engine's having it."""
+        return None if self.accepted is None else self.accepted - self.arrival
+
+    @property
+    def egress(self) -> float | None:
+        """From the first token's publication to its receipt."""
+        return None if self.first_published is None else self.first_token - self.first_published
+
+    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first (None for one-token outputs)."""
         if self.output_len < 2:
@@ -68,6 +84,8 @@ class RequestRecord:
             "tpot": self.tpot,
             "e2e": self.e2e,
             "queueing": self.queueing,
+            "ingress": self.ingress,
+            "egress": self.egress,
         }
 
 
@@ -143,6 +161,8 @@ def summarize(records: list[RequestRecord], itl) -> dict:
         "itl_s": percentiles(itl),
         "e2e_s": percentiles(r.e2e for r in records),
         "queueing_s": percentiles(q for r in records if (q := r.queueing) is not None),
+        "ingress_s": percentiles(x for r in records if (x := r.ingress) is not None),
+        "egress_s": percentiles(x for r in records if (x := r.egress) is not None),
     }
 
 

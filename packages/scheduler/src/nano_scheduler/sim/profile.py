@@ -172,7 +172,9 @@ class StepRecord:
 class RequestTiming:
     """One request as the engine saw it (monotonic seconds): ``arrival`` when it was accepted,
     ``first_token`` and ``finish`` when those outputs were published, by the iterations
-    ``first_step`` and ``last_step`` of the step log."""
+    ``first_step`` and ``last_step`` of the step log; ``received``: when the server's front,
+    in a process of its own, had it validated (the same clock on one host; None: the engine
+    runs in the front's process)."""
 
     id: str
     arrival: float
@@ -183,6 +185,7 @@ class RequestTiming:
     finish: float | None = None
     first_step: int | None = None
     last_step: int | None = None
+    received: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> RequestTiming:
@@ -194,7 +197,7 @@ class RequestTiming:
             _count(data, "prompt_tokens", where),
         )
         req.output_tokens = _count(data, "output_tokens", where, 0)
-        for name in ("first_scheduled", "first_token", "finish"):
+        for name in ("first_scheduled", "first_token", "finish", "received"):
             if data.get(name) is not None:
                 setattr(req, name, _number(data, name, where))
         for name in ("first_step", "last_step"):

@@ -78,8 +78,10 @@ class Simulator:
         self.itl = array("d")
         self.timeline = Timeline()
         self.num_steps = 0
-        self._first_token: dict[int, float] = {}
+        self._first_token: dict[int, float] = {}  # received
         self._last_token: dict[int, float] = {}
+        self._accepted: dict[int, float] = {}  # when the engine had each request
+        self._first_published: dict[int, float] = {}  # when its loop published its first token
         self._ended: dict[int, Sequence] = {}  # finished, their last output not received yet
         self._progress: Callable[[int, int], None] | None = None
 
@@ -148,8 +150,8 @@ class Simulator:
                 t = nxt
             self.now = t
             yield t
-            for position in host.accepted(t):
-                self._add(position)
+            for when, position in host.accepted(t):
+                self._add(position, when)
             if overlap and not sync_device and in_flight is not None and not sched.waiting:
                 clocks = self._steady_decodes(host, in_flight, t, device_free, timeline)
                 if clocks is not None:
@@ -209,6 +211,10 @@ class Simulator:
                 for seq in done:
                     self._ended[seq.seq_id] = seq
                 streams = [(s.seq_id, s.is_finished and s in done) for s in resolved]
+                published = self._first_published
+                for seq_id, _ in streams:
+                    if seq_id not in published:
+                        published[seq_id] = t
                 for seq in ended:
                     self._ended[seq.seq_id] = seq
                     streams.append((seq.seq_id, True))
@@ -320,15 +326,19 @@ class Simulator:
             seq.num_output_tokens,
             seq.num_preemptions,
             seq.finish_reason.value,
+            self._accepted.pop(seq.seq_id, None),
+            self._first_published.pop(seq.seq_id, None),
         )
 
-    def _add(self, position: int) -> None:
+    def _add(self, position: int, accepted: float) -> None:
         req, index = self.requests[position], self._index[position]
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
         seq = Sequence(index, req.token_ids(index, self.seed), params, req.arrival_time)
+        self._accepted[index] = accepted
         try:
             self.scheduler.add(seq)
         except ValueError as e:
             self.rejected.append((index, str(e)))
+            del self._accepted[index]
             if self.on_reject is not None:
                 self.on_reject(index)
