@@ -21,7 +21,7 @@ from pathlib import Path
 
 from nano_engine.replay import Target, replay
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
-from nano_scheduler.sim.metrics import format_summary, summarize
+from nano_scheduler.sim.metrics import format_summary, nan_to_none, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "traces" / "azure_llm_2023_conv.csv"
@@ -95,7 +95,7 @@ def main() -> None:
             "requests": [r.to_dict() for r in records],
             "args": {k: str(v) for k, v in vars(args).items()},
         }
-        args.json.write_text(json.dumps(data, indent=2))
+        args.json.write_text(json.dumps(nan_to_none(data), indent=2))
     if args.plot:
         plot(records, gaps, args.plot)
 

@@ -36,13 +36,14 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from nano_engine.replay import ServedEngine, Target, replay
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
 from nano_scheduler.sim.cli import main as nano_sim
 from nano_scheduler.sim.metrics import RequestRecord, nan_to_none, percentiles, summarize
-from nano_scheduler.sim.profile import Profile, read_step_log
+from nano_scheduler.sim.profile import Profile, RequestTiming, read_step_log
 from nano_scheduler.sim.profiled import ProfiledCostModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,9 @@ RELAY = ("ingress_s", "front_s", "egress_s")
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
-    return summary[key] if pct is None else summary[key][pct]
+    """A summary's number (NaN where it has none: nano-sim's JSON writes NaN as null)."""
+    x = summary[key] if pct is None else summary[key][pct]
+    return math.nan if x is None else x
 
 
 def capped_trace(args, path: Path) -> Path:
@@ -102,14 +105,47 @@ def simulate(profile: Path, trace: Path, rate_scale: float, out: Path, overrides
     return json.loads(out.read_text())["summary"]
 
 
-def capacity(profile: Path, trace: Path, workdir: Path, overrides=(), name="capacity") -> float:
+def capacity(
+    profile: Path, trace: Path, workdir: Path, overrides: list[str] = (), name: str = "capacity"
+) -> float:
     """The rate scale at which nano-sim's engine (with ``overrides``) serves what arrives no
     more: the output throughput of the trace arriving 1000x faster, over the trace's offered
     throughput."""
     requests = load_azure_trace(trace)
     offered = sum(r.output_len for r in requests) / max(1e-9, requests[-1].arrival_time)
     saturated = simulate(profile, trace, 1000.0, workdir / f"{name}.json", list(overrides))
-    return saturated["output_tok_per_s"] / offered
+    return value(saturated, "output_tok_per_s", None) / offered
+
+
+def choose_rates(
+    scenarios: list[str],
+    given: dict[str, float | None],
+    what_if: list[str],
+    capacity_of: Callable[[list[str]], float],
+) -> dict[str, float]:
+    """Each scenario's rate scale: the one given, else a multiple of the capacity nano-sim
+    predicts for its settings (``capacity_of(overrides)``, asked once per settings): 0.6x for
+    ``load``, 3x for ``saturated``, 0.6x of the what-if settings' own for ``what-if``.
+    ValueError for a rate <= 0, or a capacity that is not a positive number."""
+    rates, limits = {}, {}
+    for name in scenarios:
+        if given.get(name) is not None:
+            if not given[name] > 0:
+                raise ValueError(f"the {name} scenario's rate must be > 0, got {given[name]}")
+            rates[name] = given[name]
+            continue
+        overrides = what_if if name == "what-if" else []
+        key = tuple(overrides)
+        if key not in limits:
+            limits[key] = capacity_of(overrides)
+            if not (isinstance(limits[key], float | int) and 0 < limits[key] < math.inf):
+                settings = " ".join(overrides) or "the profiled settings"
+                raise ValueError(
+                    f"nano-sim predicts no capacity with {settings} ({limits[key]}): give the "
+                    f"{name} scenario's rate (--{name}-rate)"
+                )
+        rates[name] = (3.0 if name == "saturated" else 0.6) * limits[key]
+    return rates
 
 
 def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, overrides) -> dict:
@@ -124,13 +160,12 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
         run = replay(target, requests, args.processes)
     records, gaps = run.nano_sim_records()
     timings = {t.id: t for t in read_step_log(log).requests}
-    records = [
-        with_engine_times(r, timings.get(f"{name}-{r.request}-0"), run.start) for r in records
-    ]
+    mine = [timings.get(f"{name}-{r.request}-0") for r in records]
+    records = [with_engine_times(r, t, run.start) for r, t in zip(records, mine)]
     engine = {**summarize(records, gaps), "failed": len(run.failures)}
     # (of the way in, the part up to the front's validation: an engine in a process of its own)
-    front = [t.received - run.start - r.arrival for r in records
-             if (t := timings.get(f"{name}-{r.request}-0")) and t.received is not None]  # fmt: skip
+    front = [t.received - run.start - r.arrival for r, t in zip(records, mine)
+             if t is not None and t.received is not None]  # fmt: skip
     engine["front_s"] = percentiles(front)
     engine["client_cpu_share"] = run.cpu_share
     late = sorted(run.lateness(requests))
@@ -146,14 +181,15 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     return engine
 
 
-def with_engine_times(record: RequestRecord, timing, origin: float) -> RequestRecord:
+def with_engine_times(
+    record: RequestRecord, timing: RequestTiming | None, origin: float
+) -> RequestRecord:
     """A client's record with the server's step log's times of the same request (one clock,
     the host's monotonic one): when the engine had it, when its first token was published."""
-    if timing is None or timing.first_token is None:
+    if timing is None:
         return record
-    return dataclasses.replace(
-        record, accepted=timing.arrival - origin, first_published=timing.first_token - origin
-    )
+    published = None if timing.first_token is None else timing.first_token - origin
+    return dataclasses.replace(record, accepted=timing.arrival - origin, first_published=published)
 
 
 def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str], profile: Path):
@@ -290,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="profile with a small grid (CPU, tests)")
     p.add_argument("--load-rate", type=float, help="rate scale of the load scenario")
     p.add_argument("--saturated-rate", type=float, help="rate scale of the saturated one")
-    p.add_argument("--what-if-rate", type=float, help="rate scale of the what-if scenario")
+    p.add_argument(
+        "--what-if-rate",
+        type=float,
+        help="rate scale of the what-if scenario (default: 0.6x its settings' capacity)",
+    )
     p.add_argument(
         "--what-if",
         default="--max-num-batched-tokens 4096 --max-num-seqs 64",
@@ -332,18 +372,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown scenarios {sorted(unknown)}")
     what_if = args.what_if.split()
     given = {"load": args.load_rate, "saturated": args.saturated_rate, "what-if": args.what_if_rate}
-    rates, limits = {}, {}
-    for name in scenarios:
-        if given[name] is not None:
-            rates[name] = given[name]
-            continue
-        overrides = what_if if name == "what-if" else []
-        tag = "capacity-what-if" if name == "what-if" else "capacity"
-        if tag not in limits:
-            limits[tag] = capacity(profile, trace, args.out, overrides, tag)
-            settings = " ".join(overrides) or "as profiled"
-            print(f"== nano-sim's capacity ({settings}): {limits[tag]:.2f}x the trace's rate")
-        rates[name] = (3.0 if name == "saturated" else 0.6) * limits[tag]
+
+    def limit(overrides: list[str]) -> float:
+        tag = "capacity-what-if" if overrides else "capacity"
+        x = capacity(profile, trace, args.out, overrides, tag)
+        settings = " ".join(overrides) or "as profiled"
+        print(f"== nano-sim's capacity ({settings}): {x:.2f}x the trace's rate", flush=True)
+        return x
+
+    try:
+        rates = choose_rates(scenarios, given, what_if, limit)
+    except ValueError as e:
+        p.error(str(e))
     results = []
     for name in scenarios:
         overrides = what_if if name == "what-if" else []

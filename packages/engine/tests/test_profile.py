@@ -4,7 +4,9 @@ against the simulator's; the harness's table for two scenarios and a what-if."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -150,6 +152,8 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         "4",
         "--saturated-rate",
         "40",
+        "--what-if-rate",
+        "4",
         "--scenarios",
         "load,saturated,what-if",
         "--what-if",
@@ -187,6 +191,8 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         assert all(len(r["requests"]) == 30 for r in runs)
         # The ways in and out of each request, the engine's from its step log joined with the
         # clients' times (one clock): positive, below the whole TTFT, on both sides.
+        # Every request's way in and out, as the step log has every request.
+        assert all(r["ingress"] > 0 and r["egress"] > 0 for run in runs for r in run["requests"])
         # The part at the front (the engine in a process of its own): the engine's only.
         ways = {row["metric"].split()[0] for row in result["relay"]}
         assert ways == {"in", "of", "out"}
@@ -204,6 +210,42 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
     assert table.startswith("| scenario | metric | engine | engine's runs apart | nano-sim |")
     assert "| what-if | in (sent -> the engine has it) p50 |" in table
     assert "metrics outside their targets" in proc.stdout
+
+
+def test_the_harness_rates_follow_each_scenario_s_capacity():
+    """The rates the harness serves: those given, else multiples of the capacity nano-sim
+    predicts for each scenario's settings (the what-if's own), each asked once; a rate <= 0 or
+    a capacity that is no positive number: an error that says which."""
+    spec = importlib.util.spec_from_file_location(
+        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
+    )
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    asked = []
+
+    def capacity_of(overrides):
+        asked.append(overrides)
+        return 20.0 if not overrides else 8.0
+
+    what_if = ["--max-num-seqs", "64"]
+    scenarios = ["load", "saturated", "what-if"]
+    none = dict.fromkeys(scenarios)
+    rates = harness.choose_rates(scenarios, none, what_if, capacity_of)
+    assert rates == {"load": 12.0, "saturated": 60.0, "what-if": pytest.approx(4.8)}
+    assert asked == [[], what_if]
+    asked.clear()
+    given = {**none, "load": 5.0, "what-if": 2.0}
+    assert harness.choose_rates(scenarios, given, what_if, capacity_of) == {
+        "load": 5.0,
+        "saturated": 60.0,
+        "what-if": 2.0,
+    }
+    assert asked == [[]]
+    with pytest.raises(ValueError, match="saturated scenario's rate must be > 0"):
+        harness.choose_rates(scenarios, {**none, "saturated": 0.0}, what_if, capacity_of)
+    for bad in (math.nan, None, 0.0):
+        with pytest.raises(ValueError, match=r"--max-num-seqs 64.*--what-if-rate"):
+            harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
 
 
 def test_bench_serving_reports_nano_sims_fields(tmp_path):

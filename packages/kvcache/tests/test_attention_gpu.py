@@ -562,16 +562,18 @@ def test_decode_rejects_a_bad_order():
             paged_decode(q, k_cache, k_cache, tables, lens, 0.1, order=order.to(DEVICE))
 
 
+@pytest.mark.parametrize("cache", ["16", "64", "fp8"])
 @pytest.mark.parametrize("direct", [False, True], ids=["dispatched", "direct"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_step_s_launches_serve_every_layer(dtype, direct, monkeypatch):
+def test_a_step_s_launches_serve_every_layer(dtype, direct, cache, monkeypatch):
     """``PrefillLaunches`` and ``DecodeLaunches`` (one step's attention, launched layer after
-    layer; with ``nano_kvcache.launch.DIRECT`` the later layers straight to the compiled
+    layer; with ``nano_kvcache.relaunch.DIRECT`` the later layers straight to the compiled
     kernels) against each layer's own ``paged_prefill`` / ``paged_decode``: bit for bit, layer
-    after layer with other caches and other q, k, v, and where a layer's q has other strides
-    (the launch worked out again). Inside a CUDA graph too."""
+    after layer with other caches (FP8 ones with other scales) and other q, k, v, where a
+    layer's q has other strides (the launch worked out again), through the caches' TMA path
+    (blocks of 64), with one decode split and no order. Inside a CUDA graph too."""
     from nano_kvcache import attention as A
-    from nano_kvcache import launch
+    from nano_kvcache import relaunch
     from nano_kvcache.attention import (
         DecodeLaunches,
         PrefillLaunches,
@@ -579,16 +581,29 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, monkeypatch):
         paged_prefill,
     )
 
-    monkeypatch.setattr(launch, "DIRECT", direct)
-
-    block_size, heads, kv_heads, head_dim, layers = 16, 16, 8, 128, 3
+    monkeypatch.setattr(relaunch, "DIRECT", direct)
+    fp8 = cache == "fp8"
+    if fp8 and dtype != torch.bfloat16:
+        pytest.skip("FP8 caches: under bf16 (their other dtypes: the FP8 tests above)")
+    block_size, heads, kv_heads, head_dim, layers = (16 if fp8 else int(cache)), 16, 8, 128, 3
     chunks = [(300, 0), (77, 500)]  # (new tokens, cached before them)
     decode_lens = [1, 640, 2000, 33]
     rng = random.Random(7)
     g = torch.Generator(device=DEVICE).manual_seed(7)
     lens = [n + c for n, c in chunks]
     num_blocks = sum(-(-n // block_size) for n in lens + decode_lens) + 3
-    caches = [make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, g) for _ in range(3)]
+    if fp8:  # (each layer's caches with scales of their own)
+        scales = [(0.5, 2.0), (1.5, 0.25), (1.0, 1.0)]
+        caches = []
+        for k_scale, v_scale in scales:
+            k8, _, v8, _ = fp8_caches(
+                num_blocks, kv_heads, block_size, head_dim, g, (k_scale, v_scale)
+            )
+            caches.append((k8, v8))
+    else:
+        scales = [(1.0, 1.0)] * 3
+        shape = (num_blocks, kv_heads, block_size, head_dim, dtype, g)
+        caches = [make_cache(*shape) for _ in range(3)]
     tables = padded(tables_for(lens, block_size, num_blocks, rng))
     decode_tables = padded(tables_for(decode_lens, block_size, num_blocks, rng))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -599,32 +614,42 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, monkeypatch):
 
     def layer_inputs():
         qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g, device=DEVICE)
-        qkv = qkv.to(dtype)
+        qkv = (qkv * (10 if fp8 else 1)).to(dtype)
         return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
 
     inputs = [layer_inputs() for _ in range(layers)]
     # the last layer's q contiguous, not a view of a qkv buffer: other strides
     inputs.append((inputs[0][0].contiguous(), *inputs[0][1:]))
+    prefill_layers = list(zip(inputs, caches + caches[:1], scales + scales[:1]))
     decode_q = [torch.randn(4, heads, head_dim, generator=g, device=DEVICE).to(dtype)] * 2
     wider = torch.randn(4, heads + 8, head_dim, generator=g, device=DEVICE).to(dtype)
     decode_q.append(wider[:, :heads])  # (other strides)
+    decode_layers = list(zip(decode_q, caches, scales))
 
     def each_alone():
         outs = []
-        for (q, k, v), (kc, vc) in zip(inputs, caches + caches[:1]):
-            outs.append(paged_prefill(q, k, v, kc, vc, tables, seq_lens, qsl, 300, scale, out=None))
-        for q, (kc, vc) in zip(decode_q, caches):
-            outs.append(paged_decode(q, kc, vc, decode_tables, decode_seq_lens, scale, order=order))
+        for (q, k, v), (kc, vc), (ks, vs) in prefill_layers:
+            args = (q, k, v, kc, vc, tables, seq_lens, qsl, 300, scale)
+            outs.append(paged_prefill(*args, k_scale=ks, v_scale=vs))
+        for q, (kc, vc), (ks, vs) in decode_layers:
+            args = (q, kc, vc, decode_tables, decode_seq_lens, scale)
+            outs.append(paged_decode(*args, order=order, k_scale=ks, v_scale=vs))
+        for q, (kc, vc), (ks, vs) in decode_layers[:2]:
+            args = (q, kc, vc, decode_tables, decode_seq_lens, scale)
+            outs.append(paged_decode(*args, num_splits=1, k_scale=ks, v_scale=vs))
         return outs
 
     def as_a_step(outs):
         prefill = PrefillLaunches(tables, seq_lens, qsl, 300)
         decode = DecodeLaunches(decode_tables, decode_seq_lens, order)
+        one_split = DecodeLaunches(decode_tables, decode_seq_lens, num_splits=1)
         views = iter(outs)
-        for (q, k, v), (kc, vc) in zip(inputs, caches + caches[:1]):
-            prefill(q, k, v, kc, vc, scale, next(views))
-        for q, (kc, vc) in zip(decode_q, caches):
-            decode(q, kc, vc, scale, next(views))
+        for (q, k, v), (kc, vc), (ks, vs) in prefill_layers:
+            prefill(q, k, v, kc, vc, scale, next(views), ks, vs)
+        for q, (kc, vc), (ks, vs) in decode_layers:
+            decode(q, kc, vc, scale, next(views), ks, vs)
+        for q, (kc, vc), (ks, vs) in decode_layers[:2]:
+            one_split(q, kc, vc, scale, next(views), ks, vs)
 
     expected = each_alone()
     outs = [torch.full_like(x, float("nan")) for x in expected]
@@ -638,15 +663,15 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, monkeypatch):
 
         monkeypatch.setattr(kernel, "run", counted)
     as_a_step(outs)
-    # Through Triton's dispatch: every launch (4 chunks' and 3 decodes' with their merges);
-    # direct: the first of each kind and those of the layer with other strides (worked out
-    # again), each kernel's first two.
+    # Through Triton's dispatch: every launch (4 chunks' and 3 + 2 decodes', 3 merges);
+    # direct: the first of each and those of the layer with other strides (worked out again).
     counts = {name: dispatched.count(name) for name in set(dispatched)}
     if direct and DEVICE == "cuda":
-        assert counts == {"_prefill_kernel": 2, "_decode_kernel": 2, "_merge_kernel": 2}
+        assert counts == {"_prefill_kernel": 2, "_decode_kernel": 3, "_merge_kernel": 2}
     else:
-        assert counts == {"_prefill_kernel": 4, "_decode_kernel": 3, "_merge_kernel": 3}
+        assert counts == {"_prefill_kernel": 4, "_decode_kernel": 5, "_merge_kernel": 3}
     for layer, (got, want) in enumerate(zip(outs, expected)):
+        assert not torch.isnan(want).any()
         assert torch.equal(got, want), f"launch {layer} differs"
     if DEVICE == "cuda":
         for x in outs:

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_kvcache.launch import Relaunch, launch_options, pdl
+from nano_kvcache.launch import launch_options, pdl
+from nano_kvcache.relaunch import Relaunch
 
 try:  # Triton >= 3.4: TMA descriptors built on the host
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -497,9 +498,10 @@ def paged_decode(
 class DecodeLaunches:
     """``paged_decode`` of one step's decodes for every layer, as ``PrefillLaunches`` is for
     its chunks: the metadata (block_tables, seq_lens, order; ``num_splits``, ``block_n``,
-    ``fp16_dots`` as there) taken once, the launch worked out by the first call, and the
-    kernel and its merge launched directly by the later calls whose tensors specialize them
-    the same way. The splits' partial results go through one pair of buffers for all layers:
+    ``fp16_dots`` as there) taken once, the launch worked out by the first call and reused by
+    the later calls whose tensors specialize the kernel and its merge the same way
+    (``nano_kvcache.relaunch``). The splits' partial results go through one pair of buffers for
+    all layers:
     a layer's merge is complete before the next layer's kernel writes them (stream order; under
     programmatic dependent launch each kernel waits for the one before)."""
 
@@ -534,7 +536,7 @@ class DecodeLaunches:
             if not self._setup(q, k_cache, out):
                 return out  # (no sequence)
             self._key = key
-        part_ml, part_acc = self._parts
+        part_ml, part_acc = self._parts or (out, out)  # (one split: unused)
         order = self.seq_lens if self.order is None else self.order
         self._decode(
             q,
@@ -555,6 +557,8 @@ class DecodeLaunches:
         return out
 
     def _setup(self, q, k_cache, out) -> bool:
+        """Check a layer's tensors and work out its launch; False where there is no
+        sequence."""
         batch, heads, head_dim = q.shape
         _, kv_heads, block_size, _ = k_cache.shape
         if batch == 0:
@@ -585,7 +589,7 @@ class DecodeLaunches:
                 q.new_empty(batch * heads * splits * head_dim, dtype=torch.float32),
             )
         else:
-            self._parts = (out, out)  # unused
+            self._parts = None
         self._strides = (
             q.stride(0),
             q.stride(1),
@@ -900,10 +904,10 @@ class PrefillLaunches:
     (block_tables, seq_lens, query_start_loc, max_query_len; ``tile``, ``tma`` and
     ``cached_prefix`` as there) taken once, each call one layer's. The first call checks its
     tensors and works out the tile, TMA and grid; a later call whose tensors have the same
-    shapes, strides, dtypes and alignments (a step's layers do) reuses them and launches the
-    compiled kernel directly (``nano_kvcache.launch.Relaunch``); any other goes the first's
-    way again. An eager step's 28 layers of Qwen3-0.6B took ~4 ms of host time before, mostly
-    here (benchmarks/RESULTS.md)."""
+    shapes, strides, dtypes and alignments (a step's layers do) reuses them
+    (``nano_kvcache.relaunch``); any other is worked out again. An eager step of Qwen3-0.6B
+    spent a third of its host time working out the same launch in each of its 28 layers
+    (benchmarks/RESULTS.md)."""
 
     def __init__(
         self,

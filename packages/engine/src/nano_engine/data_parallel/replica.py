@@ -36,7 +36,9 @@ class RequestSpec:
     params: SamplingParams
     stream_deltas: bool
     reasoning: bool
-    received: float | None = None  # when the front validated it (its monotonic clock)
+    # when the front validated it, on its host's monotonic clock (another host's replica,
+    # a Ray actor's, reads it on another clock: for the step log of a replica beside its front)
+    received: float | None = None
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class StepLaunches:
 
     def __init__(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
-        self._layout = (ctx.num_prefills, ctx.num_decodes, ctx.max_query_len)
+        self._layout = self._of(ctx)
         prefills = ctx.num_prefills
         self.prefill = self.decode = None
         if prefills:
@@ -67,8 +67,17 @@ class StepLaunches:
 
     def serves(self, ctx: ForwardContext) -> bool:
         """Whether these are ``ctx``'s launches (the same step, its layout unchanged)."""
-        return ctx is self.ctx and self._layout == (
+        return ctx is self.ctx and self._layout == self._of(ctx)
+
+    @staticmethod
+    def _of(ctx: ForwardContext) -> tuple:
+        """What the launches take from ``ctx`` (its tensors by identity)."""
+        return (
             ctx.num_prefills,
             ctx.num_decodes,
             ctx.max_query_len,
+            id(ctx.block_tables),
+            id(ctx.seq_lens),
+            id(ctx.query_start_loc),
+            id(ctx.decode_order),
         )

@@ -20,7 +20,9 @@ class RequestRecord:
     Where known (the simulator's; a replay joined with the server's step log): when the engine
     had it (``accepted``: its loop takes it in at its next iteration) and when its loop
     published its first token (``first_published``): the way in and out, apart from the
-    engine's own time."""
+    engine's own time. (nano-sim's engine has a request once its front has handled it, and
+    publishes at the end of its loop's publish phase; the engine's step log stamps a request
+    when its process makes it, and each output as it is published.)"""
 
     request: int  # index in the workload
     arrival: float
