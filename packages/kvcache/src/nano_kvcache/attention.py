@@ -919,17 +919,11 @@ class PrefillLaunches:
         tma: bool | None = None,
         cached_prefix: bool = True,
     ) -> None:
-        self.block_tables, self.seq_lens, self.query_start_loc = (
-            block_tables,
-            seq_lens,
-            query_start_loc,
-        )
-        self.max_query_len, self.tile, self.tma, self.cached_prefix = (
-            max_query_len,
-            tile,
-            tma,
-            cached_prefix,
-        )
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.query_start_loc = query_start_loc
+        self.max_query_len = max_query_len
+        self.tile, self.tma, self.cached_prefix = tile, tma, cached_prefix
         self._key = None  # what the launch below was worked out for
 
     def __call__(
