@@ -12,10 +12,10 @@ on each tensor's size).
 
 from __future__ import annotations
 
-# Off: every launch goes through Triton's dispatch. The direct launch is checked by
-# test_attention_gpu.py's test_a_step_s_launches_serve_every_layer (outputs bit for bit, and
-# which launches were dispatched), which has not run on a GPU yet: on once it has.
-DIRECT = False
+# On: a step's later launches go straight to the compiled kernel (False: every launch through
+# Triton's dispatch). Checked by test_attention_gpu.py's test_a_step_s_launches_serve_every_layer
+# both ways (outputs bit for bit, in CUDA graphs too, and which launches were dispatched).
+DIRECT = True
 
 
 class Relaunch:
