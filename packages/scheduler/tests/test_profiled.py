@@ -428,6 +428,39 @@ def test_an_eager_launchs_drawn_spread_keeps_the_fitted_mean():
     assert max(drawn) > 1.5 * fitted  # (the slow tail is still drawn)
 
 
+def test_the_waiting_queue_s_cost_is_held_at_the_profile_s_edge():
+    """A profile sees tens of requests waiting behind its bursts, where admissions come with
+    them; its fit per waiting request, multiplied by a saturated trace's hundreds, put
+    milliseconds on every step. Beyond the profile's largest queue the term holds (with one
+    warning), within it the fit stands."""
+    from nano_scheduler.sim.profiled import HostModel
+
+    rng = random.Random(5)
+    records = [host_record(rng, 0.01 * i) for i in range(400)]
+    for r in records:
+        r.waiting = rng.randint(0, 20)
+        r.schedule += 1e-5 * r.waiting  # (what came with a queue there: 10 us a request)
+    host = HostModel(records, 16)
+    assert host.max_waiting == 20 and host.schedule[5] == pytest.approx(1e-5, rel=0.05)
+
+    def schedule(waiting):
+        return host.step(BatchShape([], [500] * 8, 8, num_waiting=waiting), False, True)[0]
+
+    assert schedule(20) - schedule(10) == pytest.approx(1e-4, rel=0.05)
+    assert schedule(600) == schedule(20)
+
+    profile = synthetic_profile()
+    for r in profile.host["offline"]:
+        r.waiting = rng.randint(0, 20)
+    model = ProfiledCostModel(profile, frontend="offline")
+    queued = BatchShape([], [500] * 8, 8, num_waiting=600)
+    with pytest.warns(RuntimeWarning, match="600 requests waiting, far beyond the profile's 20"):
+        model.step_cost(queued)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.step_cost(queued)  # (warned once already)
+
+
 def _served(workloads, seed=0):
     """Server step records from known event-loop costs: a pass over n streams costs 40 us a
     stream; a request 1.4 ms and 1.6 us a prompt token when requests come one by one, 0.4 ms
