@@ -315,3 +315,67 @@ def test_the_engine_logs_its_throughput(llm, caplog, monkeypatch):
     # The last step samples both sequences' fifth tokens and leaves nothing behind.
     assert lines()[-1].startswith("prompt 0 tok/s")
     assert "running 0, waiting 0, KV cache 0.0%, preemptions 0" in lines()[-1]
+
+
+def test_streamed_samples_concatenate_to_the_whole_output(llm):
+    """n > 1 streamed: each sample's deltas, in index order within each output, add up to
+    what generate returns whole (the same seed)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    deltas = list(llm.engine.add_request("Several", params))
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+    for d in deltas:
+        assert [o.index for o in d.outputs] == sorted(o.index for o in d.outputs)
+    streamed = {i: [] for i in range(3)}
+    for d in deltas:
+        for o in d.outputs:
+            streamed[o.index] += o.token_ids
+    whole = llm.generate("Several", params, use_tqdm=False)[0]
+    assert [streamed[i] for i in range(3)] == [o.token_ids for o in whole.outputs]
+    assert all(len(ids) == 16 for ids in streamed.values())
+
+
+def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
+    """The replica's collector (``ReplicaCore.outputs``, on its own thread, as the engine's
+    process sends batches) gets every delta of every stream, finished once, whether it was
+    waiting or busy when the loop published them; greedy tokens equal generate's."""
+    from nano_engine.config import EngineConfig
+    from nano_engine.data_parallel.replica import ReplicaCore, RequestSpec
+
+    path = checkpoints("qwen3")
+    prompts = [[1 + (i * 13 + j) % 200 for j in range(3 + i % 5)] for i in range(24)]
+    lengths = [1 + (i * 7) % 30 for i in range(24)]
+    tokens: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    core = ReplicaCore(EngineConfig.from_kwargs(path, kvcache_block_size=4), 0)
+    try:
+        for way in ("at once", "one by one"):
+            specs = [
+                RequestSpec(f"{way} {i}", None, p, greedy(n), True, False)
+                for i, (p, n) in enumerate(zip(prompts, lengths))
+            ]
+
+            def send(specs=specs, way=way):
+                for spec in specs if way == "one by one" else [specs]:
+                    core.submit([spec] if way == "one by one" else spec)
+                    time.sleep(0.002)
+
+            threading.Thread(target=send).start()
+            deadline = time.monotonic() + 120
+            while not all(spec.request_id in finished for spec in specs):
+                assert time.monotonic() < deadline, "outputs lost"
+                batch = core.outputs(0.5)
+                assert batch.error is None
+                for request_id, done, _, completions, *_ in batch.outputs:
+                    assert request_id not in finished
+                    tokens.setdefault(request_id, []).extend(
+                        t for completion in completions for t in completion[2]
+                    )
+                    if done:
+                        finished.add(request_id)
+    finally:
+        core.shutdown()
+    with LLM(path, kvcache_block_size=4) as reference:
+        expected = reference.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    for way in ("at once", "one by one"):
+        for i, out in enumerate(expected):
+            assert tokens[f"{way} {i}"] == out.outputs[0].token_ids, (way, i)

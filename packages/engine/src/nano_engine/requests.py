@@ -110,30 +110,35 @@ class Request:
         return self.matchers[index]
 
     def output(self, indices, now: float) -> RequestOutput | None:
-        """What is new in these sequences (None: nothing to send yet)."""
+        """What is new in these sequences (None: nothing to send yet). (On the loop's thread
+        for every streamed request at every step: one sequence, most requests, takes no sort
+        and no pass over the others.)"""
+        seqs = self.seqs
         if not self.stream_deltas:
-            if not all(s.is_finished for s in self.seqs):
+            if not all(s.is_finished for s in seqs):
                 return None
-            indices = range(len(self.seqs))
+            indices = range(len(seqs))
+        elif len(seqs) > 1:
+            indices = sorted(indices)
+        with_logprobs = self.params.logprobs is not None
         outputs = []
-        for i in sorted(indices):
-            seq, detok = self.seqs[i], self.detokenizers[i]
+        for i in indices:
+            seq, detok, sent = seqs[i], self.detokenizers[i], self.sent_tokens[i]
             done = seq.is_finished
             # (a slice of the new tokens only: output_token_ids would copy every output token)
-            new_ids = seq.token_ids[seq.num_prompt_tokens + self.sent_tokens[i] :].tolist()
-            new_logprobs = (
-                self.logprobs[i][self.sent_tokens[i] :]
-                if self.params.logprobs is not None
-                else None
-            )
-            self.sent_tokens[i] += len(new_ids)
+            new_ids = seq.token_ids[seq.num_prompt_tokens + sent :].tolist()
+            new_logprobs = self.logprobs[i][sent:] if with_logprobs else None
+            self.sent_tokens[i] = sent + len(new_ids)
             text = detok.delta(done) if detok is not None else ""
             reason = seq.finish_reason.value if done else None
             outputs.append(
                 CompletionOutput(i, text, new_ids, reason, new_logprobs, self.stop_reasons[i])
             )
-        finished = all(s.is_finished for s in self.seqs)
-        first = min((s.first_token_time for s in self.seqs if s.first_token_time), default=None)
+        if len(seqs) == 1:
+            finished, first = seqs[0].is_finished, seqs[0].first_token_time
+        else:
+            finished = all(s.is_finished for s in seqs)
+            first = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
         metrics = {
             "arrival_time": self.arrival,
             "first_token_time": first or 0.0,

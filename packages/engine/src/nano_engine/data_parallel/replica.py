@@ -123,6 +123,7 @@ class ReplicaCore:
         self._cond = threading.Condition()
         self._ready: deque[RequestStream] = deque()
         self._failed: list[tuple[str, str]] = []
+        self._waiting = False  # ``outputs`` waits for one (set and cleared under ``_cond``)
 
     def info(self) -> ReplicaInfo:
         engine = self.engine
@@ -169,8 +170,13 @@ class ReplicaCore:
         """Every output since the last call (waiting up to ``timeout`` seconds for one)."""
         with self._cond:
             if not self._ready and not self._failed:
-                self._cond.wait(timeout)
-            ready, self._ready = self._ready, deque()
+                self._waiting = True
+                if not self._ready:  # (again: one appended meanwhile did not notify)
+                    self._cond.wait(timeout)
+                self._waiting = False
+            # (taken one by one from the loop's queue: a stream it appends meanwhile stays
+            # there for the next call)
+            ready = [self._ready.popleft() for _ in range(len(self._ready))]
             failed, self._failed = self._failed, []
         from nano_engine.llm import merge_outputs
 
@@ -211,9 +217,13 @@ class ReplicaCore:
         self.engine.shutdown()
 
     def _notify(self, stream: RequestStream) -> None:
-        with self._cond:
-            self._ready.append(stream)
-            self._cond.notify()
+        """(The loop's, for every stream it publishes to at every step: the lock only when
+        ``outputs`` waits. It sets ``_waiting`` before it looks at the queue a last time, so
+        an append it did not see finds the flag set and wakes it.)"""
+        self._ready.append(stream)
+        if self._waiting:
+            with self._cond:
+                self._cond.notify()
 
     def _fail(self, request_id: str, message: str) -> None:
         with self._cond:
