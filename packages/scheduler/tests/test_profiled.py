@@ -453,6 +453,9 @@ def test_the_waiting_queue_s_cost_is_held_at_the_profile_s_edge():
     for r in profile.host["offline"]:
         r.waiting = rng.randint(0, 20)
     model = ProfiledCostModel(profile, frontend="offline")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.step_cost(BatchShape([], [500] * 8, 8, num_waiting=25))  # (near the edge)
     queued = BatchShape([], [500] * 8, 8, num_waiting=600)
     with pytest.warns(RuntimeWarning, match="600 requests waiting, far beyond the profile's 20"):
         model.step_cost(queued)

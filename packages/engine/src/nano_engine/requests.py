@@ -144,7 +144,7 @@ class Request:
             "first_token_time": first or 0.0,
             "last_token_time": now,
         }
-        cached = self.seqs[0].num_prefix_cached_tokens
+        cached = seqs[0].num_prefix_cached_tokens
         prompt_logprobs = None
         whole = self.prompt_logprobs is not None and (
             len(self.prompt_logprobs) == len(self.prompt_token_ids)

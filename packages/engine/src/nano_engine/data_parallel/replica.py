@@ -219,7 +219,8 @@ class ReplicaCore:
     def _notify(self, stream: RequestStream) -> None:
         """(The loop's, for every stream it publishes to at every step: the lock only when
         ``outputs`` waits. It sets ``_waiting`` before it looks at the queue a last time, so
-        an append it did not see finds the flag set and wakes it.)"""
+        an append it did not see finds the flag set and wakes it: the two threads' reads and
+        writes are ordered by the interpreter lock.)"""
         self._ready.append(stream)
         if self._waiting:
             with self._cond:

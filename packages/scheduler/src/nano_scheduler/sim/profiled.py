@@ -136,11 +136,16 @@ class ProfiledCostModel:
     def step_cost(self, batch: BatchShape) -> StepCost:
         eager = self.is_eager(batch)
         drawn = not eager and self.sampling in GRAPH_DRAWN
-        if batch.num_waiting > _FAR * self._host.max_waiting and "waiting" not in self._warned:
+        host = self._host
+        if (
+            host.schedule[5] > 0  # (a queue's cost the profile measured)
+            and batch.num_waiting > _FAR * host.max_waiting
+            and "waiting" not in self._warned
+        ):
             self._warned.add("waiting")
             warnings.warn(
                 f"nano-sim: {batch.num_waiting:,} requests waiting, far beyond the profile's "
-                f"{self._host.max_waiting:,}; the scheduler's time is held at what the profile "
+                f"{host.max_waiting:,}; the scheduler's time is held at what the profile "
                 "measured there",
                 RuntimeWarning,
                 stacklevel=2,
