@@ -354,10 +354,10 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
                 for i, (p, n) in enumerate(zip(prompts, lengths))
             ]
 
-            def send(specs=specs, way=way):
+            def send(batches=[[s] for s in specs] if way == "one by one" else [specs]):
                 try:
-                    for spec in specs if way == "one by one" else [specs]:
-                        core.submit([spec] if way == "one by one" else spec)
+                    for batch in batches:
+                        core.submit(batch)
                         time.sleep(0.002)
                 except Exception as e:  # (said by the collecting loop)
                     errors.append(e)

@@ -137,20 +137,14 @@ class ProfiledCostModel:
         eager = self.is_eager(batch)
         drawn = not eager and self.sampling in GRAPH_DRAWN
         host = self._host
-        if (
-            host.schedule[5] > 0  # (a queue's cost the profile measured)
-            and batch.num_waiting > _FAR * host.max_waiting
-            and "waiting" not in self._warned
-        ):
-            self._warned.add("waiting")
-            warnings.warn(
-                f"nano-sim: {batch.num_waiting:,} requests waiting, far beyond the profile's "
-                f"{host.max_waiting:,}; the scheduler's time is held at what the profile "
-                "measured there",
-                RuntimeWarning,
-                stacklevel=2,
+        if host.schedule[5] > 0:  # (a queue's cost the profile measured)
+            self._check(
+                "requests waiting",
+                batch.num_waiting,
+                host.max_waiting,
+                "the scheduler's time is held at what the profile measured there",
             )
-        schedule, launch, sample = self._host.step(batch, eager, drawn)
+        schedule, launch, sample = host.step(batch, eager, drawn)
         device_sample = 0.0 if drawn else self.sample_time(batch.num_sampled)
         return StepCost(schedule, launch, self.forward_time(batch), sample, device_sample)
 
@@ -175,12 +169,17 @@ class ProfiledCostModel:
             )
         return measured / predicted if predicted > 0 else math.nan
 
-    def _check(self, what: str, value: float, limit: float) -> None:
+    def _check(
+        self,
+        what: str,
+        value: float,
+        limit: float,
+        then: str = "the time is extrapolated (profile the engine with a larger configuration)",
+    ) -> None:
         if value > _FAR * limit and what not in self._warned:
             self._warned.add(what)
             warnings.warn(
-                f"nano-sim: {what} {value:,.0f} is far beyond the profile's {limit:,.0f}; the "
-                "time is extrapolated (profile the engine with a larger configuration)",
+                f"nano-sim: {what} {value:,.0f} is far beyond the profile's {limit:,.0f}; {then}",
                 RuntimeWarning,
                 stacklevel=3,
             )
