@@ -9,6 +9,7 @@ protocol class below adds both; the body's limits are ASGI middleware (``Gate``)
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -17,6 +18,8 @@ import traceback
 from fastapi.responses import JSONResponse
 
 log = logging.getLogger("nano_engine.server")
+
+RAW_SEND = "nano_engine.send"  # the scope's key of the connection's own ASGI send
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
@@ -71,11 +74,14 @@ class Gate:
     async def _gate(self, scope, receive, send):
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
-        too_big = error_response(
-            413, f"the request body is over {self.max_bytes} bytes", "request_too_large"
+        too_big = functools.partial(
+            error_response,
+            413,
+            f"the request body is over {self.max_bytes} bytes",
+            "request_too_large",
         )
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
         if (
             self.authorization is not None
             and scope["path"].startswith(self.PROTECTED)
@@ -95,7 +101,7 @@ class Gate:
                     chunks.append(message.get("body", b""))
                     received += len(chunks[-1])
                     if received > self.max_bytes:
-                        return await too_big(scope, receive, send)
+                        return await too_big()(scope, receive, send)
         except TimeoutError:
             late = error_response(
                 408,
@@ -104,6 +110,9 @@ class Gate:
             )
             return await late(scope, receive, send)
         body = {"type": "http.request", "body": b"".join(chunks)}
+        # (the connection's own send, for a stream's chunks: the middleware between here and
+        # the route only notes the response's start, and costs each chunk its layers)
+        scope[RAW_SEND] = send
         await self.app(scope, _replay(body, receive), send)
 
 

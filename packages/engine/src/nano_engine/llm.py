@@ -165,24 +165,33 @@ def merge_outputs(total: RequestOutput | None, delta: RequestOutput) -> RequestO
     """Fold a streamed delta into the whole output."""
     if total is None:
         total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [])
-    by_index = {o.index: o for o in total.outputs}
-    for d in delta.outputs:
-        o = by_index.get(d.index)
-        if o is None:
-            o = by_index[d.index] = CompletionOutput(
-                d.index, "", [], None, [] if d.logprobs is not None else None
-            )
-        o.text += d.text
-        o.token_ids += d.token_ids
-        if d.logprobs is not None:
-            o.logprobs += d.logprobs
-        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
-    total.outputs = [by_index[i] for i in sorted(by_index)]
+    if len(total.outputs) == len(delta.outputs) == 1 and (
+        total.outputs[0].index == delta.outputs[0].index
+    ):  # (a stream of one sequence, at every chunk: no index to sort)
+        _extend(total.outputs[0], delta.outputs[0])
+    else:
+        by_index = {o.index: o for o in total.outputs}
+        for d in delta.outputs:
+            o = by_index.get(d.index)
+            if o is None:
+                o = by_index[d.index] = CompletionOutput(
+                    d.index, "", [], None, [] if d.logprobs is not None else None
+                )
+            _extend(o, d)
+        total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished, total.metrics = delta.finished, delta.metrics
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs
     return total
+
+
+def _extend(o: CompletionOutput, d: CompletionOutput) -> None:
+    o.text += d.text
+    o.token_ids += d.token_ids
+    if d.logprobs is not None:
+        o.logprobs += d.logprobs
+    o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
 
 
 def _describe(value: object) -> str:

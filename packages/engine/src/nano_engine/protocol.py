@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from nano_engine.tool_calls import required_schema
 from nano_scheduler import SamplingParams, StructuredOutputsParams
@@ -323,12 +323,41 @@ _GUIDED = {
 }
 
 
+def _prompt_kind(value: Any) -> str | None:
+    """Which form a completion's prompt takes, by its first item: each is validated as that
+    form alone (a plain union tried every form and made an error object for each token of a
+    token-id prompt in the others: ~1 ms for 600 tokens, 20x the rest of the body). The tags
+    are the forms' names, as the plain union's errors named them."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not value or isinstance(value[0], str):
+        return "list[str]"  # (an empty list: no prompt, as the plain union read it)
+    first = value[0]
+    return "list[tuple[int, ...]]" if isinstance(first, (list, tuple)) else "tuple[int, ...]"
+
+
+# (token ids as tuples: a server holds each prompt for its request's life, and Python's
+# cyclic collector walks every item of a list on each full run, not a tuple of ints)
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[tuple[int, ...], Tag("tuple[int, ...]")]
+    | Annotated[list[tuple[int, ...]], Tag("list[tuple[int, ...]]")],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="the prompt must be a string, a list of strings, a list of token "
+        "ids or a list of lists of token ids",
+    ),
+]
+
+
 class CompletionRequest(_Sampling):
     unsupported = {**UNSUPPORTED, "add_special_tokens": (None, True)}
 
-    # (token ids as tuples: a server holds each prompt for its request's life, and Python's
-    # cyclic collector walks every item of a list on each full run, not a tuple of ints)
-    prompt: str | list[str] | tuple[int, ...] | list[tuple[int, ...]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

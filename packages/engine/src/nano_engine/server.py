@@ -27,16 +27,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nano_engine._version import __version__
 from nano_engine.chat_reply import ChatReply
-from nano_engine.connections import Gate, error_body, error_response, http_protocol
+from nano_engine.connections import RAW_SEND, Gate, error_body, error_response, http_protocol
 from nano_engine.interpreter import tune_for_serving
 from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
@@ -290,7 +291,9 @@ class Server:
                 for i, stream in enumerate(streams):
                     # Deltas that queued up while this reader was behind go out as one.
                     merged = None
-                    while not stream.finished and (out := stream.get_nowait()) is not None:
+                    for out in () if stream.finished else stream.drain():
+                        if isinstance(out, BaseException):
+                            raise out
                         merged = out if merged is None else merge_outputs(merged, out)
                     if merged is not None:
                         done[i] += sum(o.finish_reason is not None for o in merged.outputs)
@@ -363,7 +366,7 @@ class Server:
         if body.echo:
             self._tokenizer("echo")  # (token-id prompts are written back as text)
         if body.stream:
-            return self._sse(self._completion_chunks(streams, raw, head, n, body))
+            return EventStream(self._completion_chunks(streams, raw, head, n, body))
         outputs = await self._collect(streams, raw, n)
 
         def render() -> Response:
@@ -383,18 +386,23 @@ class Server:
         logprobs = body.logprobs is not None
         echoed: set[int] = set()  # (choices whose prompt went out, with their first delta)
 
+        event = _events_of(head)
+
         def render(i: int, delta: RequestOutput) -> str:
+            plain = not (logprobs or body.echo or delta.prompt_logprobs is not None)
             choices = []
             for o in delta.outputs:
                 index = i * n + o.index
                 first = index not in echoed
                 echoed.add(index)
+                if plain:  # (most chunks: no logprobs, nothing echoed)
+                    choices.append(_plain_choice(index, o))
+                    continue
                 prefix = self._echo(body, delta) if first else ""
                 prompt = delta if first else None
-                choices.append(
-                    self._completion_choice(index, o, logprobs, prefix, prompt, body.echo)
-                )
-            return _event({**head, "choices": choices})
+                choice = self._completion_choice(index, o, logprobs, prefix, prompt, body.echo)
+                choices.append(_encode(choice))
+            return event(", ".join(choices))
 
         async for i, delta in self._outputs(streams, raw, n):
             totals[i] = merge_outputs(totals[i], delta)
@@ -505,7 +513,7 @@ class Server:
         }
         reply = ChatReply(self.reasoning, opened, tools)
         if body.stream:
-            return self._sse(
+            return EventStream(
                 self._chat_chunks(
                     streams, raw, {**head, "object": "chat.completion.chunk"}, body, params, reply
                 )
@@ -533,21 +541,20 @@ class Server:
 
     async def _chat_chunks(self, streams, raw, head, body, params, reply: ChatReply):
         total, splits = None, {}
+        event = _events_of(head)
 
         def render(delta: RequestOutput) -> str:
             choices = []
             for o in delta.outputs:
                 split = splits.setdefault(o.index, reply.stream())
                 message, called = split.feed(o.text, final=o.finish_reason is not None)
+                logprobs = self._chat_logprobs(o, body)
                 choices.append(
-                    {
-                        "index": o.index,
-                        "delta": message,
-                        "logprobs": self._chat_logprobs(o, body),
-                        "finish_reason": reply.finish_reason(o.finish_reason, called),
-                    }
+                    f'{{"index": {o.index}, "delta": {_encode_message(message)}, '
+                    f'"logprobs": {"null" if logprobs is None else _encode(logprobs)}, '
+                    f'"finish_reason": {_scalar(reply.finish_reason(o.finish_reason, called))}}}'
                 )
-            return _event({**head, "choices": choices})
+            return event(", ".join(choices))
 
         async for _, delta in self._outputs(streams, raw, params.n):
             total = merge_outputs(total, delta)
@@ -684,22 +691,36 @@ class Server:
             )
         return self.engine.tokenizer
 
-    def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
-        """Server-sent events, ending with ``data: [DONE]``; a failure mid-stream, the end of
-        the shutdown's grace period included, is sent as a last error event (the status line
-        has gone already)."""
 
-        async def framed():
-            try:
-                async for event in events:
-                    yield event
-            except APIError as e:
-                yield _event(error_body(e.status, e.message, e.kind))
-            except (EngineDeadError, ConnectionAbortedError) as e:
-                yield _event(error_body(503, str(e), "service_unavailable"))
-            yield "data: [DONE]\n\n"
+class EventStream(Response):
+    """Server-sent events: each string ``events`` yields, then ``data: [DONE]``; a failure
+    mid-stream, the end of the shutdown's grace period included, is sent as a last error event
+    (the status line has gone already). starlette's StreamingResponse would add a task group and
+    a second listener for the client's disconnect to every stream (the routes listen for it
+    themselves) and a generator between the events and ``send``; with hundreds of streams the
+    event loop's time per chunk is what bounds the server (benchmarks/bench_front.py)."""
 
-        return StreamingResponse(framed(), media_type="text/event-stream")
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        self.events, self.status_code, self.background = events, 200, None
+        self.init_headers()  # (no content-length: it is streamed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        write = scope.get(RAW_SEND, send)  # (the chunks past the middleware: see Gate)
+        last = ""
+        try:
+            async for event in self.events:
+                await write(
+                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
+                )
+        except APIError as e:
+            last = _event(error_body(e.status, e.message, e.kind))
+        except (EngineDeadError, ConnectionAbortedError) as e:
+            last = _event(error_body(503, str(e), "service_unavailable"))
+        body = f"{last}data: [DONE]\n\n".encode()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
@@ -771,18 +792,54 @@ def _entries(outputs: list[RequestOutput], logprobs: int | None) -> int:
     return ((logprobs or 0) + 1) * sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
+# (one encoder: json.dumps with an option builds a new one at every call, most of the time of
+# a small chunk's)
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _event(chunk: dict) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {_encode(chunk)}\n\n"
+
+
+def _events_of(head: dict) -> Callable[[str], str]:
+    """The events of one stream: ``head`` (its id, object, created, model) serialized once,
+    each event then its choices (serialized, comma-separated) after it."""
+    prefix = f'data: {_encode(head)[:-1]}, "choices": ['
+    return lambda choices: f"{prefix}{choices}]}}\n\n"
+
+
+def _plain_choice(index: int, o: CompletionOutput) -> str:
+    """A completion choice without logprobs, written directly (the bytes json.dumps would
+    write for ``_completion_choice``'s dict, in a tenth of the time)."""
+    return (
+        f'{{"index": {index}, "text": {encode_basestring(o.text)}, "logprobs": null, '
+        f'"finish_reason": {_scalar(o.finish_reason)}, "stop_reason": {_scalar(o.stop_reason)}}}'
+    )
+
+
+def _scalar(value: str | int | None) -> str:
+    """A string, number or null in JSON (the encoder builds a whole pass for anything but a
+    string)."""
+    if value is None:
+        return "null"
+    return encode_basestring(value) if isinstance(value, str) else _encode(value)
+
+
+def _encode_message(message: dict) -> str:
+    """A chat delta; most are text alone."""
+    if len(message) == 1 and type(message.get("content")) is str:
+        return f'{{"content": {encode_basestring(message["content"])}}}'
+    return _encode(message)
 
 
 def _json(head: dict, choices, usage: dict) -> Response:
     """A response body of ``head``, the ``choices`` (an iterable of dicts: each is serialized
     and dropped before the next is built, so that n x logprobs objects never live at once) and
     ``usage``."""
-    parts = [json.dumps(head, ensure_ascii=False)[:-1], ', "choices": [']
+    parts = [_encode(head)[:-1], ', "choices": [']
     for i, choice in enumerate(choices):
-        parts.append((", " if i else "") + json.dumps(choice, ensure_ascii=False))
-    parts.append(f'], "usage": {json.dumps(usage)}}}')
+        parts.append((", " if i else "") + _encode(choice))
+    parts.append(f'], "usage": {_encode(usage)}}}')
     return Response("".join(parts).encode(), media_type="application/json")
 
 
