@@ -65,7 +65,13 @@ def host_record(rng: random.Random, t: float) -> StepRecord:
     r.schedule = 2e-5 + 1e-6 * decodes + 5e-6 * chunks
     r.launch = (3e-3 if chunks else 4e-4) + 2e-7 * (decodes + chunks)
     r.post, r.sample, r.publish = 1e-5 + 2e-6 * r.resolved, host_sample(r.sampled, r.eager), 1e-5
-    r.forward, r.sample_device = 1e-3, sample_seconds(r.sampled)
+    if r.eager:
+        r.forward = eager_seconds(prefills, decodes, context)
+    else:  # (in the CUDA graph that holds the batch)
+        r.forward = graph_seconds(
+            next(s for s in cuda_graph_sizes(MAX_SEQS) if s >= decodes), context
+        )
+    r.sample_device = sample_seconds(r.sampled)
     return r
 
 
@@ -81,7 +87,10 @@ def synthetic_profile(block_size: int = 16, piecewise: bool = False) -> Profile:
     ]
     rows = grid.sampling_rows()
     rng = random.Random(0)
-    host = [host_record(rng, 0.01 * i) for i in range(400)]
+    host, t = [], 0.0
+    for _ in range(400):  # (each iteration starts as the one before ends)
+        host.append(host_record(rng, t))
+        t += host[-1].host
     engine = EngineSettings(
         block_size=block_size,
         num_kv_blocks=BLOCKS,

@@ -381,6 +381,7 @@ def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monke
 
     def simulate():
         model = ProfiledCostModel(profile, frontend="offline")
+        model._host.between = [5e-4, 8e-4]  # (the loop's time between iterations counts too)
         requests = synthetic(120, (20, 600), (20, 300), rate=40, seed=5)
         return Simulator(requests, model, config, num_blocks=20_000, server=server).run()
 
@@ -592,3 +593,114 @@ def test_the_host_ratio_of_a_step_log_says_how_fast_its_host_ran():
     slow = [replace(r, **{p: 2 * getattr(r, p) for p in HOST_PHASES}) for r in steps]
     assert model.host_ratio(slow) == pytest.approx(2.0, rel=0.05)
     assert math.isnan(model.host_ratio([]))
+
+
+def test_the_loop_s_time_between_iterations_and_a_request_s_intake_are_fitted():
+    """The loop's time that no phase counts (between one iteration's publish and the next:
+    statistics, the step log, the inbox) and what a request taken in costs the loop: fitted
+    from when iterations start, beside their waits and modelled phases."""
+    from nano_scheduler.sim.profiled import HostModel
+
+    rng = random.Random(7)
+    records, t = [], 0.0
+    between, intake, per_token = {False: 3e-4, True: 6e-4}, 4e-4, 5e-7
+    for _ in range(800):
+        r = host_record(rng, t)
+        records.append(r)
+        r.wait = rng.choice((0.0, 2e-3))  # (the device's time the loop waited for: not counted)
+        t += r.host + r.wait + between[r.eager]
+        if rng.random() < 0.3:  # (requests taken in before the next iteration)
+            nxt_accepted, tokens = rng.randint(1, 3), rng.randint(100, 3000)
+            t += intake * nxt_accepted + per_token * tokens
+            records_next = (nxt_accepted, tokens)
+        else:
+            records_next = (0, 0)
+        r.next_in = records_next
+    for a, b in pairwise(records):
+        b.accepted, b.accepted_tokens = a.next_in
+    host = HostModel(records, 16)
+    assert host.rest(False) == pytest.approx(between[False], rel=0.05)
+    assert host.rest(True) == pytest.approx(between[True], rel=0.05)
+    assert host.intake_cost(0) == pytest.approx(intake, rel=0.05)
+    assert host.intake_cost(2000) - host.intake_cost(0) == pytest.approx(2000 * per_token, rel=0.05)
+    # a profile's model hands them to the simulation
+    profile = synthetic_profile()
+    profile.host["offline"] = records
+    model = ProfiledCostModel(profile, frontend="offline")
+    assert model.step_cost(BatchShape([(256, 0)], [], 1)).between == host.rest(True)
+    assert model.intake_cost(1000) == host.intake_cost(1000)
+    # in CPU seconds (an engine sharing the server's process) the simulation charges the lock
+    # itself: nothing is fitted
+    for r in records:
+        r.cpu = [r.schedule, r.launch, r.post, r.sample, r.publish]
+    cpu = HostModel(records, 16, cpu=True)
+    assert cpu.rest(True) == cpu.rest(False) == cpu.intake_cost(1000) == 0.0
+
+
+def test_a_ragged_decode_graph_costs_as_its_longest_sequence_says():
+    """The grid's decode graphs have equal contexts; a served batch's are ragged, and the
+    longest sequence's attention ends last. The floor (an equal batch of a share of the
+    longest context) is fitted on the profile's served graph steps; equal batches keep their
+    interpolation."""
+    rng = random.Random(11)
+    sizes = cuda_graph_sizes(MAX_SEQS)
+    floor = 0.3
+
+    def served_graph_time(contexts):
+        size = next(s for s in sizes if s >= len(contexts))
+        return graph_seconds(size, max(sum(contexts), floor * size * max(contexts)))
+
+    profile = synthetic_profile()
+    records = profile.host["offline"]
+    for r in records[::2]:  # ragged graph steps, each with its device time
+        n = rng.randint(1, MAX_SEQS)
+        contexts = [rng.randint(20, 400) for _ in range(n - 1)] + [rng.randint(2000, 8000)]
+        r.prefills, r.eager = [], False
+        r.decodes = [n, sum(contexts), max(contexts)]
+        r.forward = served_graph_time(contexts)
+    model = ProfiledCostModel(profile, frontend="offline")
+    assert model._ragged == pytest.approx(floor)
+    for _ in range(100):
+        n = rng.randint(1, MAX_SEQS)
+        ragged = [rng.randint(20, 300) for _ in range(n - 1)] + [rng.randint(3000, 8000)]
+        got = model.forward_time(BatchShape([], ragged, n))
+        assert got == pytest.approx(served_graph_time(ragged), rel=0.03)
+        equal = [rng.randint(20, 8000)] * n
+        padded = next(s for s in sizes if s >= n)
+        assert model.forward_time(BatchShape([], equal, n)) == pytest.approx(
+            graph_seconds(padded, sum(equal)), rel=0.03
+        )
+    # without served graph steps to fit it on: no floor
+    assert ProfiledCostModel(synthetic_profile(), frontend="offline")._ragged == 0.0
+
+
+class HostBound(DeviceOnlyModel):
+    """1 ms of device a step, launched in 4 ms; ``between`` after each publish, ``intake``
+    for each request taken in."""
+
+    def __init__(self, between: float, intake: float) -> None:
+        self.between, self.intake = between, intake
+
+    def step_cost(self, batch: BatchShape):
+        from nano_scheduler.sim.cost_model import StepCost
+
+        return StepCost(launch=0.004, forward=0.001, between=self.between)
+
+    def intake_cost(self, prompt_tokens: int) -> float:
+        return self.intake
+
+
+def test_the_simulated_loop_spends_the_time_between_iterations_and_the_intake():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+
+    def lone(between, intake):
+        sim = Simulator([Request(0.0, 32, 50)], HostBound(between, intake), config, 64)
+        (record,) = sim.run().requests
+        return record
+
+    base, spaced, taken = lone(0, 0), lone(0.002, 0), lone(0, 0.003)
+    # (every iteration is host-bound: 2 ms more an iteration, over its ~50)
+    per_token = (spaced.finish - spaced.first_token) - (base.finish - base.first_token)
+    assert per_token == pytest.approx(49 * 0.002, rel=0.05)
+    assert taken.first_scheduled - base.first_scheduled == pytest.approx(0.003)
+    assert taken.finish - base.finish == pytest.approx(0.003)

@@ -66,14 +66,17 @@ class BatchShape(NamedTuple):
 class StepCost(NamedTuple):
     """Seconds of one step by where they are spent, in the step loop's order. Host:
     ``schedule`` (scheduler and step inputs), ``launch`` (the forward's launch),
-    ``sample_host`` (the sampler's inputs and launch, the scheduler's advance). Device:
-    ``forward`` (the model) and ``sample``. How they overlap is the simulator's business."""
+    ``sample_host`` (the sampler's inputs and launch, the scheduler's advance), ``between``
+    (after the outputs are published, before the next iteration: statistics, the step log,
+    the inbox). Device: ``forward`` (the model) and ``sample``. How they overlap is the
+    simulator's business."""
 
     schedule: float = 0.0
     launch: float = 0.0
     forward: float = 0.0
     sample_host: float = 0.0
     sample: float = 0.0
+    between: float = 0.0
 
 
 class CostModel(Protocol):
@@ -95,6 +98,10 @@ class CostModel(Protocol):
         one CUDA graph (it starts once replayed, after its inputs)."""
         ...
 
+    def intake_cost(self, prompt_tokens: int) -> float:
+        """Host seconds the loop loses to taking in a request of ``prompt_tokens``."""
+        ...
+
 
 class DeviceOnlyModel:
     """A cost model that knows only the device's time of a step (``step_time``): the host
@@ -113,6 +120,9 @@ class DeviceOnlyModel:
 
     def is_eager(self, batch: BatchShape) -> bool:
         return True
+
+    def intake_cost(self, prompt_tokens: int) -> float:
+        return 0.0
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}

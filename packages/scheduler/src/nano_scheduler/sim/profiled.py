@@ -3,7 +3,9 @@
 Device time of a step:
 - a decode-only batch that fits a CUDA graph runs in the smallest captured graph that holds it
   (padding rows cost their matmul rows, no attention): interpolated over the profiled total
-  context for that graph size (between graph sizes too, for what-if configurations);
+  context for that graph size (between graph sizes too, for what-if configurations), at
+  least that of an equal batch of a share of its longest context (a ragged batch waits for
+  its longest sequence: the share fitted on the profile's served steps);
 - any other step runs eagerly: a fit with non-negative coefficients over the batch's features
   (a convex piecewise-linear cost of its tokens for the matmuls, attention pairs weighted by
   the chunks' lengths, KV read by prefill chunks and decodes, per-sequence costs);
@@ -15,7 +17,9 @@ Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negati
 over the step records the profile measured through the chosen frontend (``offline``: the
 Python API, wall seconds; ``server``: the HTTP server with streaming clients: with the engine in
 a process of its own, wall seconds; in the server's process, the loop thread's own CPU seconds,
-as the simulator shares the interpreter lock with the server's event loop itself).
+as the simulator shares the interpreter lock with the server's event loop itself), and in wall
+time, what the phases leave: the loop's time between iterations and what each request taken
+in costs it.
 ``server_costs``: the event loop's work per request, prompt token, pass over the streams and
 chunk sent (a fit to its thread's CPU time, or the front process's, over the profile's
 workloads), and the network's latency (what the first token of a lone request took beyond
@@ -48,6 +52,7 @@ from nano_scheduler.sim.profile import (
 # The sampling kinds whose rows a decode CUDA graph draws itself (the sampler's fused pass).
 GRAPH_DRAWN = ("greedy", "random")
 _FAR = 1.25  # asked beyond this factor of the profiled range: warn
+_IDLE = 0.05  # seconds left between iterations beyond which the loop waited for something else
 
 
 class ProfiledCostModel:
@@ -83,6 +88,7 @@ class ProfiledCostModel:
         self.graph_sizes = cuda_graph_sizes(seqs) if engine.cuda_graph_sizes else []
         self._graph_limit = self.graph_sizes[-1] if self.graph_sizes else 0
         self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
+        self._ragged = self._ragged_floor(profile.host.get("server") or profile.host[frontend])
         self._eager = EagerModel(profile.eager, self._piecewise(engine.max_num_batched_tokens))
         budget = max_num_batched_tokens or engine.max_num_batched_tokens
         self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
@@ -113,7 +119,7 @@ class ProfiledCostModel:
             size = self.graph_sizes[bisect_left(self.graph_sizes, n_dec)]
             self._check("decode context", context / n_dec, self._decode.max_context)
             self._check("CUDA-graph batch size", size, self._decode.sizes[-1])
-            return self._decode(size, context)
+            return self._decode(size, max(context, self._ragged * size * max(batch.decodes)))
         eager = self._eager
         self._check("tokens in a step", batch.num_tokens, eager.max_tokens)
         if batch.prefills:
@@ -121,6 +127,38 @@ class ProfiledCostModel:
                 "cached tokens before a chunk", max(c for _, c in batch.prefills), eager.max_cached
             )
         return eager(batch.prefills, n_dec, context)
+
+    def _ragged_floor(self, records: list[StepRecord]) -> float:
+        """How a decode graph's time follows its longest context, not only the total: the
+        profile's grid has equal contexts, but a served batch's are ragged, and the longest
+        sequence's attention is the last to finish. A batch is modelled as costing at least
+        an equal batch of ``floor`` x its longest context: the floor that fits the profile's
+        served graph steps best (least squared log error; the device's time of each is in
+        its record). 0.3 on an H200 (Qwen3-0.6B), where the error's spread fell from 13% to
+        8% on the profile's steps and from 8% to 6% on a trace replayed apart; 0 without
+        enough such steps."""
+        steps = [
+            r
+            for r in records
+            if r.forward
+            and not r.eager
+            and not r.prefills
+            and 0 < r.decodes[0] <= self._graph_limit
+        ]
+        if self._decode is None or len(steps) < 50:
+            return 0.0
+        shapes = [(self.graph_sizes[bisect_left(self.graph_sizes, r.decodes[0])], r) for r in steps]
+
+        def error(floor: float) -> float:
+            return sum(
+                math.log(
+                    self._decode(size, max(r.decodes[1], floor * size * r.decodes[2])) / r.forward
+                )
+                ** 2
+                for size, r in shapes
+            )
+
+        return min((i / 20 for i in range(21)), key=error)
 
     def sample_time(self, rows: int) -> float:
         if not rows:
@@ -146,7 +184,11 @@ class ProfiledCostModel:
             )
         schedule, launch, sample = host.step(batch, eager, drawn)
         device_sample = 0.0 if drawn else self.sample_time(batch.num_sampled)
-        return StepCost(schedule, launch, self.forward_time(batch), sample, device_sample)
+        forward = self.forward_time(batch)
+        return StepCost(schedule, launch, forward, sample, device_sample, host.rest(eager))
+
+    def intake_cost(self, prompt_tokens: int) -> float:
+        return self._host.intake_cost(prompt_tokens)
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         return self._host.resolve(resolved, finished, outputs)
@@ -340,6 +382,35 @@ class HostModel:
         resolving = [r for r in records if r.resolved]
         self.post = self._fit(resolving or steps, self._post_features, 2)
         self.publish = self._fit(records, lambda r: [1.0, r.outputs], 4)
+        self.between, self.intake = self._rest(records)
+
+    def _rest(self, records: list[StepRecord]) -> tuple[list[float], list[float]]:
+        """What the phases leave of the loop's time: seconds between one iteration's publish
+        and the next iteration (statistics, the step log, the inbox), after a graph step and
+        after an eager one, and per request taken in meanwhile and per prompt token of them
+        (receiving it, and the thread that receives it holding the interpreter lock:
+        iterations that take requests in run 0.4-2.5 ms longer on an H200, though no phase
+        counts it). A non-negative fit of each iteration's time, less its wait for the device
+        and its phases as modelled, to the next iteration's start. None in CPU seconds (the
+        simulation charges the lock's sharing itself) or without iterations in a row."""
+        if self.cpu:
+            return [0.0, 0.0], [0.0, 0.0]
+        rows, rest = [], []
+        for a, b in pairwise(records):
+            # (b resolves a's step: the loop did not idle between them)
+            if not a.num_tokens or not b.resolved or b.t <= a.t:
+                continue
+            shape = BatchShape.of_record(a)
+            schedule, launch, sample = self.step(shape, a.eager, not a.eager, spread=False)
+            post, publish = self.resolve(a.resolved, a.finished, a.outputs)
+            left = b.t - a.t - a.wait - (schedule + launch + sample + post + publish)
+            if left < _IDLE:
+                rows.append([float(not a.eager), float(a.eager), b.accepted, b.accepted_tokens])
+                rest.append(left)
+        if len(rows) < 10:
+            return [0.0, 0.0], [0.0, 0.0]
+        coef = nnls(rows, rest)
+        return coef[:2], coef[2:]
 
     def _time(self, r: StepRecord, phase: int) -> float:
         return r.cpu[phase] if self.cpu else getattr(r, HOST_PHASES[phase])
@@ -402,6 +473,12 @@ class HostModel:
         s = self.sample_graph if drawn else self.sample_eager
         s = s or self.sample_eager or self.sample_graph
         return schedule, launch, s[0] + s[1] * batch.num_sampled
+
+    def rest(self, eager: bool) -> float:
+        return self.between[1 if eager else 0]
+
+    def intake_cost(self, prompt_tokens: int) -> float:
+        return self.intake[0] + self.intake[1] * prompt_tokens
 
     def resolve(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         p = self.post

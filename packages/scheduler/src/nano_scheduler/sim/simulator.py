@@ -152,6 +152,7 @@ class Simulator:
             yield t
             for when, position in host.accepted(t):
                 self._add(position, when)
+                t = host.cpu(t, cost.intake_cost(self.requests[position].prompt_len))
             if overlap and not sync_device and in_flight is not None and not sched.waiting:
                 clocks = self._steady_decodes(host, in_flight, t, device_free, timeline)
                 if clocks is not None:
@@ -228,6 +229,7 @@ class Simulator:
                     len(sched.running),
                     len(sched.waiting),
                 )
+                t = host.cpu(t, step.between)
 
     def _steady_decodes(self, host, in_flight, t: float, device_free: float, timeline):
         """Run, without the scheduler, the iterations that would repeat the step in flight
@@ -273,6 +275,7 @@ class Simulator:
         )
         horizon = self.horizon
         launch, resolve_and_sample = step.schedule + step.launch, post + step.sample_host
+        between = step.between
         forward, sample = step.forward, step.sample
         done = 0
         while done < steps:
@@ -291,6 +294,7 @@ class Simulator:
             t = cpu(t, publish)
             publish_to(t, streams)
             record(t, n, n, usage, n, 0)
+            t = cpu(t, between)
             done += 1
         # The scheduler's state after those steps: the placeholder of the step that was in
         # flight and done - 1 more tokens known, the last step's token in flight.
