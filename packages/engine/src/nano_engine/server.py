@@ -721,6 +721,8 @@ class EventStream(Response):
             last = _event(error_body(503, str(e), "service_unavailable"))
         body = f"{last}data: [DONE]\n\n".encode()
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        if self.background is not None:  # (FastAPI's background tasks, where a route adds any)
+            await self.background()
 
 
 async def _disconnected(raw: Request, wake: asyncio.Event) -> None:
