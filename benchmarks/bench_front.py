@@ -141,7 +141,8 @@ def run(streams: int, tokens: int, prompt: int, step_s: float, rounds: int) -> d
             short, _ = asyncio.run(drive(app, streams, 1, prompt, r))
             long, chunks = asyncio.run(drive(app, streams, tokens, prompt, r))
             per_request.append(short / streams)
-            per_chunk.append((long - short) / (chunks - 2 * streams))
+            # (the short run paid for each stream's first chunk, its usage and [DONE])
+            per_chunk.append((long - short) / (chunks - 3 * streams))
     finally:
         llm.shutdown()
     return {

@@ -307,6 +307,8 @@ def test_bad_input_gets_its_status_and_error_body(server, checkpoints):
         assert "Value error" not in error["message"]  # (pydantic's prefix)
         if "JSON" in message:
             assert error["param"] is None  # (not the offset of the character)
+        if "valid integer" in message:  # (the prompt's form is no part of the path)
+            assert error["param"] == "prompt.1"
         ok = post(server, "/v1/completions", good)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
     assert post(server, "/health", good).headers["allow"] == "GET"

@@ -87,6 +87,7 @@ def test_each_prompt_form_validates_as_the_plain_union_did(prompt):
         ([1, "a"], ("prompt", "tuple[int, ...]", 1), "valid integer"),
         ([1.5], ("prompt", "tuple[int, ...]", 0), "fractional part"),
         (["a", 1], ("prompt", "list[str]", 1), "valid string"),
+        (["1", 2], ("prompt", "list[str]", 1), "valid string"),  # (the union read ids)
         ([[1], "a"], ("prompt", "list[tuple[int, ...]]", 1), "valid tuple"),
     ],
 )

@@ -595,40 +595,55 @@ def test_the_host_ratio_of_a_step_log_says_how_fast_its_host_ran():
     assert math.isnan(model.host_ratio([]))
 
 
+BETWEEN, INTAKE, PER_TOKEN = {False: 3e-4, True: 6e-4}, 4e-4, 5e-7
+
+
+def _loop(seed: int, compute: dict | None = None) -> list[StepRecord]:
+    """Iterations that start when the one before ended: its phases, its wait for the device,
+    the loop's time between iterations (``BETWEEN``), then what the requests taken in before
+    the next one cost the loop; ``compute``: a synchronous device's time of a step (graph,
+    eager), on the loop's thread."""
+    rng = random.Random(seed)
+    records, t, taken = [], 0.0, (0, 0)
+    for _ in range(800):
+        t += INTAKE * taken[0] + PER_TOKEN * taken[1]
+        r = host_record(rng, t)
+        r.accepted, r.accepted_tokens = taken
+        r.wait = rng.choice((0.0, 2e-3))  # (the device's time the loop waited for)
+        t += r.host + r.wait + BETWEEN[r.eager]
+        if compute is not None:
+            r.forward, r.sample_device = compute[r.eager], 1e-4
+            t += r.forward + r.sample_device
+        taken = (rng.randint(1, 3), rng.randint(100, 3000)) if rng.random() < 0.3 else (0, 0)
+        records.append(r)
+    return records
+
+
 def test_the_loop_s_time_between_iterations_and_a_request_s_intake_are_fitted():
     """The loop's time that no phase counts (between one iteration's publish and the next:
     statistics, the step log, the inbox) and what a request taken in costs the loop: fitted
     from when iterations start, beside their waits and modelled phases."""
     from nano_scheduler.sim.profiled import HostModel
 
-    rng = random.Random(7)
-    records, t = [], 0.0
-    between, intake, per_token = {False: 3e-4, True: 6e-4}, 4e-4, 5e-7
-    for _ in range(800):
-        r = host_record(rng, t)
-        records.append(r)
-        r.wait = rng.choice((0.0, 2e-3))  # (the device's time the loop waited for: not counted)
-        t += r.host + r.wait + between[r.eager]
-        if rng.random() < 0.3:  # (requests taken in before the next iteration)
-            nxt_accepted, tokens = rng.randint(1, 3), rng.randint(100, 3000)
-            t += intake * nxt_accepted + per_token * tokens
-            records_next = (nxt_accepted, tokens)
-        else:
-            records_next = (0, 0)
-        r.next_in = records_next
-    for a, b in pairwise(records):
-        b.accepted, b.accepted_tokens = a.next_in
+    records = _loop(7)
     host = HostModel(records, 16)
-    assert host.rest(False) == pytest.approx(between[False], rel=0.05)
-    assert host.rest(True) == pytest.approx(between[True], rel=0.05)
-    assert host.intake_cost(0) == pytest.approx(intake, rel=0.05)
-    assert host.intake_cost(2000) - host.intake_cost(0) == pytest.approx(2000 * per_token, rel=0.05)
+    assert host.rest(False) == pytest.approx(BETWEEN[False], rel=0.05)
+    assert host.rest(True) == pytest.approx(BETWEEN[True], rel=0.05)
+    assert host.intake_cost(0) == pytest.approx(INTAKE, rel=0.05)
+    assert host.intake_cost(2000) - host.intake_cost(0) == pytest.approx(2000 * PER_TOKEN, rel=0.05)
     # a profile's model hands them to the simulation
     profile = synthetic_profile()
     profile.host["offline"] = records
     model = ProfiledCostModel(profile, frontend="offline")
     assert model.step_cost(BatchShape([(256, 0)], [], 1)).between == host.rest(True)
     assert model.intake_cost(1000) == host.intake_cost(1000)
+    # on a synchronous device (a CPU) the step's compute runs on the loop's thread, outside
+    # its phases: it is no time between iterations
+    computed = _loop(7, compute={False: 2e-3, True: 5e-3})
+    synchronous = HostModel(computed, 16, synchronous=True)
+    assert synchronous.rest(False) == pytest.approx(BETWEEN[False], rel=0.05)
+    assert synchronous.rest(True) == pytest.approx(BETWEEN[True], rel=0.05)
+    assert HostModel(computed, 16).rest(True) > BETWEEN[True] + 4e-3  # (counted, unasked)
     # in CPU seconds (an engine sharing the server's process) the simulation charges the lock
     # itself: nothing is fitted
     for r in records:
@@ -670,8 +685,14 @@ def test_a_ragged_decode_graph_costs_as_its_longest_sequence_says():
         assert model.forward_time(BatchShape([], equal, n)) == pytest.approx(
             graph_seconds(padded, sum(equal)), rel=0.03
         )
-    # without served graph steps to fit it on: no floor
+    # the profiled engine's graphs pad the served steps, whatever a what-if captures
+    what_if = ProfiledCostModel(profile, frontend="offline", max_num_seqs=24)
+    assert what_if._ragged == pytest.approx(floor)
+    # equal batches say nothing of a floor; too few served graph steps: none
     assert ProfiledCostModel(synthetic_profile(), frontend="offline")._ragged == 0.0
+    for r in records[40:]:  # (40 steps of a device time left)
+        r.forward = None
+    assert ProfiledCostModel(profile, frontend="offline")._ragged == 0.0
 
 
 class HostBound(DeviceOnlyModel):

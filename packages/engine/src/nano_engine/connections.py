@@ -110,9 +110,11 @@ class Gate:
             )
             return await late(scope, receive, send)
         body = {"type": "http.request", "body": b"".join(chunks)}
-        # (the connection's own send, for a stream's chunks: the middleware between here and
-        # the route only notes the response's start, and costs each chunk its layers)
-        scope[RAW_SEND] = send
+        # (the connection's own send, for a stream's chunks: the app's own middleware between
+        # here and the route only notes the response's start, and costs each chunk its
+        # layers; middleware added by a deployer, say compression, sees every chunk)
+        if not getattr(self.app, "user_middleware", None):
+            scope[RAW_SEND] = send
         await self.app(scope, _replay(body, receive), send)
 
 

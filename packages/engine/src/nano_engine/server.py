@@ -43,6 +43,7 @@ from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
 from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nano_engine.protocol import (
+    PROMPT_FORMS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -134,7 +135,8 @@ class Server:
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, e: RequestValidationError):
             first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+            loc = [x for x in first.get("loc", ())[1:] if x not in PROMPT_FORMS]
+            where = ".".join(str(x) for x in loc) or None
             cause = first.get("ctx", {}).get("error")
             if isinstance(cause, FieldError):
                 param = f"{where}.{cause.param}" if where else cause.param
@@ -719,6 +721,8 @@ class EventStream(Response):
             last = _event(error_body(e.status, e.message, e.kind))
         except (EngineDeadError, ConnectionAbortedError) as e:
             last = _event(error_body(503, str(e), "service_unavailable"))
+        finally:  # (its requests aborted now, should a send fail or the task be cancelled)
+            await self.events.aclose()
         body = f"{last}data: [DONE]\n\n".encode()
         await send({"type": "http.response.body", "body": body, "more_body": False})
         if self.background is not None:  # (FastAPI's background tasks, where a route adds any)

@@ -98,7 +98,9 @@ class ProfiledCostModel:
         # holders, the threads carrying requests and outputs, are part of the loop's cost)
         own = bool(profile.server.get("engine_process", False))
         cpu = frontend == "server" and not own
-        self._host = HostModel(profile.host[frontend], engine.block_size, cpu=cpu)
+        self._host = HostModel(
+            profile.host[frontend], engine.block_size, cpu=cpu, synchronous=self.synchronous
+        )
         self.server_costs = (
             server_costs(profile.host["server"], profile.server) if frontend == "server" else None
         )
@@ -137,17 +139,17 @@ class ProfiledCostModel:
         its record). 0.3 on an H200 (Qwen3-0.6B), where the error's spread fell from 13% to
         8% on the profile's steps and from 8% to 6% on a trace replayed apart; 0 without
         enough such steps."""
+        sizes = sorted(self.profile.engine.cuda_graph_sizes)  # (the graphs it ran)
+        limit = sizes[-1] if sizes else 0
         steps = [
             r
             for r in records
-            if r.forward
-            and not r.eager
-            and not r.prefills
-            and 0 < r.decodes[0] <= self._graph_limit
+            if r.forward and not r.eager and not r.prefills and 0 < r.decodes[0] <= limit
         ]
         if self._decode is None or len(steps) < 50:
             return 0.0
-        shapes = [(self.graph_sizes[bisect_left(self.graph_sizes, r.decodes[0])], r) for r in steps]
+        # (padded as the profiled engine padded them, whatever the what-if's graphs)
+        shapes = [(sizes[bisect_left(sizes, r.decodes[0])], r) for r in steps]
 
         def error(floor: float) -> float:
             return sum(
@@ -347,9 +349,17 @@ class HostModel:
     1.12 on an H200: a tail of slow launches under the profile's bursts of requests, which
     put nano-sim's eager launches 15-20% above what trace replays measured)."""
 
-    def __init__(self, records: list[StepRecord], block_size: int, cpu: bool = False) -> None:
-        """``cpu``: fit the loop thread's CPU seconds (where measured), not the wall time."""
-        self.block_size = block_size
+    def __init__(
+        self,
+        records: list[StepRecord],
+        block_size: int,
+        cpu: bool = False,
+        synchronous: bool = False,
+    ) -> None:
+        """``cpu``: fit the loop thread's CPU seconds (where measured), not the wall time;
+        ``synchronous``: the device's work ran on the loop's thread (a CPU), outside its
+        phases and waits."""
+        self.block_size, self.synchronous = block_size, synchronous
         if cpu:
             records = [r for r in records if r.cpu is not None]
         steps = [r for r in records if r.num_tokens]
@@ -391,8 +401,11 @@ class HostModel:
         (receiving it, and the thread that receives it holding the interpreter lock:
         iterations that take requests in run 0.4-2.5 ms longer on an H200, though no phase
         counts it). A non-negative fit of each iteration's time, less its wait for the device
-        and its phases as modelled, to the next iteration's start. None in CPU seconds (the
-        simulation charges the lock's sharing itself) or without iterations in a row."""
+        and its phases as modelled, to the next iteration's start (an iteration followed by a
+        stall of more than ``_IDLE`` is left out: a burst of hundreds of requests taken in at
+        once among them, so the intake's fit is that of requests arriving over time). None in
+        CPU seconds (the simulation charges the lock's sharing itself) or without iterations
+        in a row."""
         if self.cpu:
             return [0.0, 0.0], [0.0, 0.0]
         rows, rest = [], []
@@ -404,6 +417,8 @@ class HostModel:
             schedule, launch, sample = self.step(shape, a.eager, not a.eager, spread=False)
             post, publish = self.resolve(a.resolved, a.finished, a.outputs)
             left = b.t - a.t - a.wait - (schedule + launch + sample + post + publish)
+            if self.synchronous:  # (the step's compute, on the loop's thread)
+                left -= (a.forward or 0.0) + (a.sample_device or 0.0)
             if left < _IDLE:
                 rows.append([float(not a.eager), float(a.eager), b.accepted, b.accepted_tokens])
                 rest.append(left)
