@@ -432,6 +432,10 @@ def test_the_grace_period_ends_with_503_and_an_error_event(checkpoints):
     ):
         lines = r.iter_lines()
         events = [next(line for line in lines if line.startswith("data:"))]
+        deadline = time.monotonic() + 30  # (both requests in the engine: 2 x n sequences)
+        while srv.metric("num_requests_running") + srv.metric("num_requests_waiting") < 8:
+            assert time.monotonic() < deadline, "the plain request never reached the engine"
+            time.sleep(0.05)
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         events += [line for line in lines if line.startswith("data:")]
