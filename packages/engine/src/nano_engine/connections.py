@@ -9,7 +9,6 @@ protocol class below adds both; the body's limits are ASGI middleware (``Gate``)
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import json
 import logging
@@ -74,12 +73,11 @@ class Gate:
     async def _gate(self, scope, receive, send):
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
-        too_big = functools.partial(
-            error_response,
-            413,
-            f"the request body is over {self.max_bytes} bytes",
-            "request_too_large",
-        )
+
+        def too_big() -> JSONResponse:  # (built only for a body that is)
+            message = f"the request body is over {self.max_bytes} bytes"
+            return error_response(413, message, "request_too_large")
+
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await too_big()(scope, receive, send)
         if (

@@ -140,13 +140,14 @@ class ProfiledCostModel:
         8% on the profile's steps and from 8% to 6% on a trace replayed apart; 0 without
         enough such steps."""
         sizes = sorted(self.profile.engine.cuda_graph_sizes)  # (the graphs it ran)
-        limit = sizes[-1] if sizes else 0
+        if self._decode is None or not sizes:
+            return 0.0
         steps = [
             r
             for r in records
-            if r.forward and not r.eager and not r.prefills and 0 < r.decodes[0] <= limit
+            if r.forward and not r.eager and not r.prefills and 0 < r.decodes[0] <= sizes[-1]
         ]
-        if self._decode is None or len(steps) < 50:
+        if len(steps) < 50:
             return 0.0
         # (padded as the profiled engine padded them, whatever the what-if's graphs)
         shapes = [(sizes[bisect_left(sizes, r.decodes[0])], r) for r in steps]
