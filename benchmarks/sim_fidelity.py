@@ -197,17 +197,31 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
     of its own, and nano-sim once; the error is against the engine's mean, and ``spread``
     says how far the engine's own runs lie apart ((max - min) / mean): the noise floor a
     prediction is judged against."""
-    runs = [
-        serve_scenario(
-            args, args.out / (name if k == 0 else f"{name}-{k + 1}"), name, trace, rate, overrides
-        )
-        for k in range(args.repeat)
-    ]
-    sim = simulate(profile, trace, rate, args.out / name / "nano-sim.json", overrides)
-    speeds = [
-        host_ratio(profile, args.out / (name if k == 0 else f"{name}-{k + 1}") / "steps.jsonl")
-        for k in range(args.repeat)
-    ]
+    dirs = [args.out / (name if k == 0 else f"{name}-{k + 1}") for k in range(args.repeat)]
+    runs = [serve_scenario(args, d, name, trace, rate, overrides) for d in dirs]
+    sim = simulate(profile, trace, rate, dirs[0] / "nano-sim.json", overrides)
+    relay = []  # (not targets: where the latencies' errors come from)
+    for key in RELAY:
+        for pct in ("p50", "p90"):
+            measured = [value(engine, key, pct) for engine in runs]
+            e = sum(measured) / len(measured)
+            s = value(sim, key, pct) if key in sim else math.nan
+            error = s / e - 1 if e and not math.isnan(e) and not math.isnan(s) else math.nan
+            relay.append(
+                {"metric": f"{NAMES[key]} {pct}", "engine": e, "nano-sim": s, "error": error}
+            )
+    return {
+        "scenario": name,
+        "rate_scale": rate,
+        "overrides": overrides,
+        "rows": compare(runs, sim),
+        "relay": relay,
+        "host_ratio": [host_ratio(profile, d / "steps.jsonl") for d in dirs],
+    }
+
+
+def compare(runs: list[dict], sim: dict) -> list[dict]:
+    """Each metric: the engine's mean over its runs, nano-sim's, the error, the target."""
     rows = []
     for key, pct, allowed in METRICS:
         measured = [value(engine, key, pct) for engine in runs]
@@ -225,24 +239,7 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
                 "met": abs(error) <= allowed,
             }
         )
-    relay = []  # (not targets: where the latencies' errors come from)
-    for key in RELAY:
-        for pct in ("p50", "p90"):
-            measured = [value(engine, key, pct) for engine in runs]
-            e = sum(measured) / len(measured)
-            s = value(sim, key, pct) if key in sim else math.nan
-            error = s / e - 1 if e and not math.isnan(e) and not math.isnan(s) else math.nan
-            relay.append(
-                {"metric": f"{NAMES[key]} {pct}", "engine": e, "nano-sim": s, "error": error}
-            )
-    return {
-        "scenario": name,
-        "rate_scale": rate,
-        "overrides": overrides,
-        "rows": rows,
-        "relay": relay,
-        "host_ratio": speeds,
-    }
+    return rows
 
 
 def host_ratio(profile: Path, step_log: Path) -> float:

@@ -339,6 +339,13 @@ def test_nano_sim_predicts_from_a_profile_with_the_profiles_settings(profile_fil
     records = data["requests"]
     assert [r["request"] for r in records] == list(range(40))
     assert all(0 < r["ttft"] <= r["e2e"] and r["queueing"] >= 0 for r in records)
+    # a host three times as slow as the profiled one: the same steps, each longer
+    slow = tmp_path / "slow.json"
+    options = ("--profile", str(profile_file), "--frontend", "offline", "--max-num-seqs", "16")
+    proc = nano_sim(*workload, "--rate", "50", *options, "--host-scale", "3", "--json", str(slow))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(slow.read_text())["summary"]
+    assert summary["tpot_s"]["mean"] > 1.5 * data["summary"]["tpot_s"]["mean"]
 
 
 @pytest.mark.parametrize(
@@ -348,6 +355,8 @@ def test_nano_sim_predicts_from_a_profile_with_the_profiles_settings(profile_fil
         (("--gpu", "h100"), "--gpu would be ignored with --profile"),
         (("--step-overhead-ms", "1"), "--step-overhead-ms would be ignored with --profile"),
         (("--sampling", "top_p"), "no 'top_p' sampling costs"),
+        (("--host-scale", "0"), "--host-scale must be > 0, got 0.0"),
+        (("--host-scale", "inf"), "--host-scale must be > 0, got inf"),
     ],
 )
 def test_nano_sim_refuses_what_a_profile_cannot_answer(profile_file, args, message):
@@ -365,6 +374,8 @@ def test_nano_sim_checks_the_model_against_the_profile(profile_file, tmp_path):
     assert proc.returncode == 2 and "intermediate_size 4096 (profiled: 3072)" in proc.stderr
     proc = nano_sim("--synthetic", "5", "--frontend", "offline", "--model-config", str(config))
     assert proc.returncode == 2 and "--frontend needs --profile" in proc.stderr
+    proc = nano_sim("--synthetic", "5", "--host-scale", "2", "--model-config", str(config))
+    assert proc.returncode == 2 and "--host-scale needs --profile" in proc.stderr
 
 
 def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monkeypatch):
@@ -725,3 +736,182 @@ def test_the_simulated_loop_spends_the_time_between_iterations_and_the_intake():
     assert per_token == pytest.approx(49 * 0.002, rel=0.05)
     assert taken.first_scheduled - base.first_scheduled == pytest.approx(0.003)
     assert taken.finish - base.finish == pytest.approx(0.003)
+
+
+def test_a_ragged_decode_graph_served_slower_than_the_grid_is_scaled():
+    """Served graph steps that take 6% more than the grid's replays of the same batch (equal
+    contexts, so no floor): the ratio is fitted on them and applied to every graph decode."""
+    profile = synthetic_profile()
+    sizes = cuda_graph_sizes(MAX_SEQS)
+    rng = random.Random(5)
+    for r in profile.host["offline"][::2]:
+        n = rng.randint(1, MAX_SEQS)
+        context = rng.randint(100, 4000)
+        r.prefills, r.eager, r.decodes = [], False, [n, n * context, context]
+        r.forward = 1.06 * graph_seconds(next(s for s in sizes if s >= n), n * context)
+    for r in profile.host["offline"][1::2]:
+        r.forward = None
+    model = ProfiledCostModel(profile, frontend="offline")
+    assert model._served == pytest.approx(1.06, rel=0.01) and model._ragged == 0.0
+    padded = next(s for s in sizes if s >= 24)
+    expected = 1.06 * graph_seconds(padded, 24 * 700)
+    assert model.forward_time(BatchShape([], [700] * 24, 24)) == pytest.approx(expected, rel=0.03)
+    assert ProfiledCostModel(synthetic_profile(), frontend="offline")._served == 1.0
+
+
+def test_each_host_phase_sums_to_what_it_was_fitted_to():
+    """Right-skewed noise on the phases (a slow tail, as a shared host has): a fit weighted
+    towards the fast records would fall short of their sum, and a simulation adds the phases
+    up; each fit sums to its records' time."""
+    from nano_scheduler.sim.profiled import HostModel
+
+    rng = random.Random(3)
+    records = [host_record(rng, 0.01 * i) for i in range(600)]
+    for r in records:
+        for phase in ("schedule", "launch", "post", "sample", "publish"):
+            setattr(r, phase, getattr(r, phase) * rng.lognormvariate(0, 0.4))
+    host = HostModel(records, 16)
+    steps = [r for r in records if r.num_tokens]
+    fitted = {"schedule": 0.0, "launch": 0.0, "sample": 0.0, "post": 0.0, "publish": 0.0}
+    for r in steps:
+        shape = BatchShape.of_record(r)
+        schedule, launch, sample = host.step(shape, r.eager, not r.eager, spread=False)
+        fitted["schedule"] += schedule
+        fitted["launch"] += launch
+        fitted["sample"] += sample
+    for r in records:
+        post, publish = host.resolve(r.resolved, r.finished, r.outputs)
+        fitted["post"] += post if r.resolved else 0.0
+        fitted["publish"] += publish
+    resolving = [r for r in records if r.resolved] or steps
+    measured = {
+        "schedule": sum(r.schedule for r in steps),
+        "launch": sum(r.launch for r in steps),
+        "sample": sum(r.sample for r in steps),
+        "post": sum(r.post for r in resolving),
+        "publish": sum(r.publish for r in records),
+    }
+    for phase in ("schedule", "post"):
+        assert fitted[phase] == pytest.approx(measured[phase], rel=1e-6), phase
+    # (launch and sample: fitted apart for graphs and eager steps, each summing to its own)
+    assert fitted["launch"] == pytest.approx(measured["launch"], rel=1e-6)
+    assert fitted["sample"] == pytest.approx(measured["sample"], rel=1e-6)
+    # (publish: the mean of each bin of outputs, interpolated: close to the sum, not exact)
+    assert fitted["publish"] == pytest.approx(measured["publish"], rel=0.05)
+
+
+def test_the_publish_phase_follows_its_outputs_past_a_knee():
+    """A publish phase of 5 us an output up to 128 outputs and 12 us beyond (as the GPU host's
+    caches give out): interpolated by the number of outputs, on both sides of the knee."""
+    from nano_scheduler.sim.profiled import HostModel
+
+    def publish(n: int) -> float:
+        return 2e-5 + 5e-6 * n + 7e-6 * max(0, n - 128)
+
+    rng = random.Random(9)
+    records = [host_record(rng, 0.01 * i) for i in range(800)]
+    for r in records:
+        r.outputs = rng.randint(0, 256)
+        r.publish = publish(r.outputs) * rng.uniform(0.9, 1.1)
+    host = HostModel(records, 16)
+    for n in (3, 40, 100, 180, 250):
+        assert host.resolve(n, 0, n)[1] == pytest.approx(publish(n), rel=0.06), n
+
+
+def test_a_median_s_fit_ignores_what_queued():
+    """Samples of a line, a third of them delayed by queueing (tens of times the line): least
+    absolute deviations recover the line, least squares does not; no coefficient < 0."""
+    from nano_scheduler.sim.fit import nnlad
+
+    rng = random.Random(2)
+    rows, targets = [], []
+    for _ in range(300):
+        tokens = rng.randint(16, 4000)
+        late = rng.uniform(5e-3, 5e-2) if rng.random() < 0.3 else 0.0
+        rows.append([1.0, tokens])
+        targets.append(1e-3 + 4e-7 * tokens + rng.uniform(-5e-5, 5e-5) + late)
+    a, b = nnlad(rows, targets)
+    assert a == pytest.approx(1e-3, rel=0.05) and b == pytest.approx(4e-7, rel=0.05)
+    assert nnls(rows, targets)[0] > 3e-3
+    assert min(nnlad([[1.0, x] for x in range(50)], [5.0 - 0.1 * x for x in range(50)])) >= 0
+
+
+def test_the_hop_to_the_engine_and_the_relay_of_a_pass():
+    """A request handled by the front then takes ``hop`` + ``hop_token`` a prompt token to
+    reach the engine, in the order handled (a short prompt handled after a long one does not
+    pass it); a pass over n streams spends ``relay`` of itself before its first chunk."""
+    from nano_scheduler.sim.host import ServerCosts, ServerHost
+
+    passes = ((1, 1e-4), (100, 1e-2))
+    costs = ServerCosts(1e-3, 0.0, passes, 5e-4, own_process=True, hop=1e-3, hop_token=1e-6)
+    got = []
+    host = ServerHost(costs, lambda seq, when, done: got.append((seq, when)))
+    host.send(0.0, 0, 4000)  # (handled 0.5-1.5 ms; at the engine 1.5 + 1 + 4 ms)
+    host.send(0.0, 1, 10)  # (handled 1.5-2.5 ms; would be at the engine at 3.51 ms)
+    assert host.accepted(10.0) == [(pytest.approx(6.5e-3), 0), (pytest.approx(6.5e-3), 1)]
+    with pytest.raises(ValueError, match="relay"):
+        ServerCosts(1e-3, 0.0, passes, relay=1.5)
+    relayed = ServerHost(ServerCosts(0.0, 0.0, passes, 5e-4, relay=0.4), lambda *a: got.append(a))
+    got.clear()
+    relayed.publish(1.0, [(seq, False) for seq in range(100)])
+    relayed.drain(1.0)
+    whole = 1e-2
+    assert got[0][1] == pytest.approx(1.0 + 5e-4 + 0.4 * whole + 0.6 * whole / 100)
+    assert got[-1][1] == pytest.approx(1.0 + 5e-4 + whole)
+
+
+def test_the_hop_and_the_relay_are_fitted_on_the_calmest_workload():
+    """Ways in and out (client's times) of workloads of known costs: the one sent at the
+    lowest rate, whose requests seldom queue (a third of them still wait a little), gives the
+    hop and the relay; bursts, whose requests queue for tens of milliseconds, do not."""
+    from nano_scheduler.sim.profiled import server_costs
+
+    shape = [(1, 0.0), (64, 0.0), (256, 0.0), (240, 24.0), (120, 1.5)]
+    records, workloads = _served(shape)
+    latency, hop, hop_token, relay = 4e-4, 9e-4, 4e-7, 0.35
+    rng = random.Random(4)
+    ingress, egress = [], []
+    for requests, sent_over in shape:
+        calm = sent_over == 24.0
+        for _ in range(requests):
+            tokens = rng.randint(16, 4000)
+            way_in = latency + 1.4e-3 + 1.6e-6 * tokens + hop + hop_token * tokens
+            if not calm or rng.random() < 0.3:
+                way_in += rng.uniform(2e-3, 5e-2)  # (queued behind other work)
+            ingress.append([tokens, way_in])
+            n = rng.randint(2, 64) if requests > 1 else 1
+            whole = n * 4e-5
+            way_out = latency + (relay * whole + (1 - relay) * whole / n if n > 1 else whole)
+            late = 0.0 if calm or requests == 1 else rng.uniform(1e-3, 1e-2)
+            egress.append([n, way_out + late])
+    server = {"workloads": workloads, "ingress": ingress, "egress": egress}
+    costs = server_costs(records, server)
+    assert costs.latency == pytest.approx(latency, rel=0.1)
+    assert costs.hop == pytest.approx(hop, rel=0.1)
+    assert costs.hop_token == pytest.approx(hop_token, rel=0.1)
+    assert costs.relay == pytest.approx(relay, abs=0.05)
+    # ways that do not say which workload they are from: fitted over all, and worse off
+    blind = server_costs(records, {**server, "workloads": [w[:5] for w in workloads]})
+    assert blind.hop > 2 * hop
+
+
+def test_a_host_scale_slows_every_host_cost_and_no_device_time():
+    """``host_scale``: a host that many times as slow as the profiled one."""
+    from nano_scheduler.sim.host import ServerCosts
+
+    profile = synthetic_profile()
+    costs = ServerCosts(1e-3, 1e-6, ((1, 1e-4), (64, 2e-3)), 5e-4, 0.03, hop=1e-3, relay=0.3)
+    base = ProfiledCostModel(profile, frontend="offline")
+    slow = ProfiledCostModel(profile, frontend="offline", host_scale=2.0)
+    batch = BatchShape([(512, 0)], [300] * 8, 9)
+    a, b = base.step_cost(batch), slow.step_cost(batch)
+    for phase in ("schedule", "launch", "sample_host", "between"):
+        assert getattr(b, phase) == pytest.approx(2 * getattr(a, phase)), phase
+    assert (b.forward, b.sample) == (a.forward, a.sample)
+    assert slow.resolve_cost(8, 1, 9) == pytest.approx([2 * x for x in base.resolve_cost(8, 1, 9)])
+    assert slow.intake_cost(500) == pytest.approx(2 * base.intake_cost(500))
+    scaled = costs.scaled(2.0)
+    assert (scaled.request, scaled.hop, scaled.latency, scaled.relay) == (2e-3, 2e-3, 1e-3, 0.3)
+    assert scaled.pass_seconds(32) == pytest.approx(2 * costs.pass_seconds(32))
+    with pytest.raises(ValueError, match="host scale"):
+        ProfiledCostModel(profile, frontend="offline", host_scale=0.0)

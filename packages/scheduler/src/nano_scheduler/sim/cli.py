@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sampling",
         choices=SAMPLING_KINDS,
         help="with --profile: the sampling the requests use (default greedy)",
+    )
+    m.add_argument(
+        "--host-scale",
+        type=float,
+        help="with --profile: the host's time against when it was profiled, e.g. 1.2 for a "
+        "CPU 20%% slower (every host cost of the profile times this; default 1)",
     )
     m.add_argument(
         "--model-config",
@@ -176,9 +183,9 @@ DEFAULTS = {
 
 def _check(args: argparse.Namespace) -> None:
     """Values out of range and options that the chosen workload or cost model would ignore."""
-    for name in ("bandwidth", "tflops", "gpu_memory", "rate", "rate_scale"):
+    for name in ("bandwidth", "tflops", "gpu_memory", "rate", "rate_scale", "host_scale"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
+        if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
         raise ValueError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
@@ -216,7 +223,11 @@ def _check(args: argparse.Namespace) -> None:
     else:
         if args.model_config is None:
             raise ValueError("give --profile (from nano-engine profile), or --model-config")
-        for flag, value in (("--frontend", args.frontend), ("--sampling", args.sampling)):
+        for flag, value in (
+            ("--frontend", args.frontend),
+            ("--sampling", args.sampling),
+            ("--host-scale", args.host_scale),
+        ):
             if value is not None:
                 problems.append(f"{flag} needs --profile")
         if args.fitted:
@@ -393,6 +404,7 @@ def _from_profile(args, hf_config, requests) -> tuple[Callable, str]:
         args.sampling or "greedy",
         config.max_num_seqs,
         config.max_num_batched_tokens,
+        1.0 if args.host_scale is None else args.host_scale,
     )
     num_blocks = args.num_blocks or eng.num_kv_blocks
     make = _fleet(

@@ -1,7 +1,9 @@
 """Fits for the step-time models, in plain Python (the simulator imports no numpy or torch).
 
 ``nnls``: least squares with every coefficient >= 0 (Lawson and Hanson's active-set method), so
-that no fitted cost is negative. ``Piecewise``: linear interpolation through measured points.
+that no fitted cost is negative; ``nnlad``: least absolute deviations, the same way (a median's
+fit: samples that queued behind other work move it little). ``Piecewise``: linear
+interpolation through measured points.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ def nnls(
                     row[j] += xi * x[j]
     coef = _active_set(ata, atb)
     return [c / s for c, s in zip(coef, scale)]
+
+
+def nnlad(
+    rows: Sequence[Sequence[float]], targets: Sequence[float], rounds: int = 60
+) -> list[float]:
+    """Coefficients x >= 0 minimizing sum_i |rows[i] . x - targets[i]|: iteratively reweighted
+    least squares (weights 1 / |residual|, floored so that an exact sample cannot take all
+    the weight)."""
+    coef = nnls(rows, targets)
+    spread = sorted(abs(t) for t in targets)[len(targets) // 2] or 1.0
+    floor = 1e-6 * spread
+    for _ in range(rounds):
+        residual = [abs(sum(c * v for c, v in zip(coef, r)) - t) for r, t in zip(rows, targets)]
+        new = nnls(rows, targets, [1.0 / max(e, floor) for e in residual])
+        if all(abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12) for a, b in zip(coef, new)):
+            return new
+        coef = new
+    return coef
 
 
 def _active_set(ata: list[list[float]], atb: list[float]) -> list[float]:

@@ -9,7 +9,10 @@ and outputs published into outputs received (``publish``, the ``receive`` callba
 received when published. ``ServerHost`` models the server's event loop thread as work taken in
 arrival order: each request's handling (parsing, validation, submission), and passes over
 the streams with new outputs (one pass takes every output published by the time it starts,
-so a loop that fell behind sends merged deltas, as the server does). With the engine in the
+so a loop that fell behind sends merged deltas, as the server does). Beside that work, a
+request validated takes a while more to reach the engine (``ServerCosts.hop``), and a pass
+begins with the outputs' relay (unpacked and handed to their streams) before its first
+chunk is written (``ServerCosts.relay``). With the engine in the
 server's process the two threads share one interpreter lock: the event loop keeps it while it
 has work, the loop thread computes in between; while the loop thread waits for the device, the
 event loop runs alone. With the engine in a process of its own (``ServerCosts.own_process``,
@@ -22,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from nano_scheduler.sim.fit import Piecewise
@@ -77,7 +80,11 @@ class ServerCosts:
     interpreter lock and the caches: on an H200 a request of 1,000 prompt tokens took 1.9-2.4
     ms while the loop thread waited for the device, 3.2 ms beside an eager launch);
     ``own_process``: the engine runs in a process of its own (the event loop's work is the
-    front process's and never holds the loop thread's lock)."""
+    front process's and never holds the loop thread's lock); ``hop`` and ``hop_token``: the
+    seconds, and per prompt token, from a request's handling to the engine having it (the
+    front's sender thread, the pipe, the engine's command thread: a delay, in order, that
+    keeps no event loop busy); ``relay``: the share of a pass spent before its first chunk
+    is written (the batch of outputs unpacked and handed to its streams)."""
 
     request: float
     prompt_token: float
@@ -86,6 +93,31 @@ class ServerCosts:
     first_request: float = 0.0
     busy: float = 0.0
     own_process: bool = False
+    hop: float = 0.0
+    hop_token: float = 0.0
+    relay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.relay <= 1.0:
+            raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
+        for name in ("request", "prompt_token", "latency", "first_request", "busy", "hop"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.hop_token < 0:
+            raise ValueError(f"hop_token must be >= 0, got {self.hop_token}")
+
+    def scaled(self, factor: float) -> ServerCosts:
+        """These costs on a host ``factor`` times as slow (its CPU's work and wake-ups)."""
+        return replace(
+            self,
+            request=self.request * factor,
+            prompt_token=self.prompt_token * factor,
+            passes=tuple((n, seconds * factor) for n, seconds in self.passes),
+            latency=self.latency * factor,
+            first_request=self.first_request * factor,
+            hop=self.hop * factor,
+            hop_token=self.hop_token * factor,
+        )
 
     @cached_property
     def _passes(self) -> Piecewise:
@@ -105,8 +137,9 @@ class ServerHost:
         self.busy_until = 0.0  # the event loop's work started so far ends here
         self._requests: deque[tuple[float, int, int]] = deque()  # (arrival, position, tokens)
         self._publications: deque[tuple[float, list[tuple[int, bool]]]] = deque()
-        self._accepted: deque[tuple[float, int]] = deque()
+        self._accepted: deque[tuple[float, int]] = deque()  # (when the engine has it, position)
         self._first = True
+        self._handed = 0.0  # when the last request handled reaches the engine
         self._next = math.inf  # when the event loop starts its next piece of work
         self._computing = False  # the loop thread has work to do (in ``cpu``)
 
@@ -211,15 +244,18 @@ class ServerHost:
                     work += c.first_request
                     self._first = False
                 self.busy_until = start + work
-                self._accepted.append((self.busy_until, position))
+                # (one pipe: requests reach the engine in order)
+                self._handed = max(self._handed, self.busy_until + c.hop + c.hop_token * tokens)
+                self._accepted.append((self._handed, position))
                 continue
             streams: dict[int, bool] = {}
             while p and p[0][0] <= start:
                 for seq_id, finished in p.popleft()[1]:
                     streams[seq_id] = streams.get(seq_id, False) or finished
-            each = c.pass_seconds(len(streams)) / len(streams)
-            when = start + c.latency
+            total = c.pass_seconds(len(streams))
+            each = total * (1.0 - c.relay) / len(streams)
+            when = start + c.latency + total * c.relay
             for seq_id, finished in streams.items():
                 when += each
                 self.receive(seq_id, when, finished)
-            self.busy_until = start + each * len(streams)
+            self.busy_until = start + total

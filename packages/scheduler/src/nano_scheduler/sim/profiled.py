@@ -5,7 +5,8 @@ Device time of a step:
   (padding rows cost their matmul rows, no attention): interpolated over the profiled total
   context for that graph size (between graph sizes too, for what-if configurations), at
   least that of an equal batch of a share of its longest context (a ragged batch waits for
-  its longest sequence: the share fitted on the profile's served steps);
+  its longest sequence), times the ratio of served steps to the grid's (the share and the
+  ratio fitted on the profile's served steps);
 - any other step runs eagerly: a fit with non-negative coefficients over the batch's features
   (a convex piecewise-linear cost of its tokens for the matmuls, attention pairs weighted by
   the chunks' lengths, KV read by prefill chunks and decodes, per-sequence costs);
@@ -14,6 +15,7 @@ Device time of a step:
   draws them itself, and the profiled graph time includes the draw).
 
 Host time of each phase of the loop (``StepCost``, ``resolve_cost``): non-negative linear fits
+(the publish phase: interpolated by its outputs), each summing to what it was fitted to,
 over the step records the profile measured through the chosen frontend (``offline``: the
 Python API, wall seconds; ``server``: the HTTP server with streaming clients: with the engine in
 a process of its own, wall seconds; in the server's process, the loop thread's own CPU seconds,
@@ -22,8 +24,10 @@ time, what the phases leave: the loop's time between iterations and what each re
 in costs it.
 ``server_costs``: the event loop's work per request, prompt token, pass over the streams and
 chunk sent (a fit to its thread's CPU time, or the front process's, over the profile's
-workloads), and the network's latency (what the first token of a lone request took beyond
-them).
+workloads), the network's latency (what the first token of a lone request took beyond
+them), a request's hop to the engine after its handling and the share of a pass that relays
+the outputs before its first chunk (fitted to the calmest workload's ways in and out).
+``host_scale``: every host cost times this (a host that much slower than the profiled one).
 
 No prediction is <= 0. A question far outside the profiled grid gets an answer extrapolated
 from the grid's edge and one warning per kind of question.
@@ -39,7 +43,7 @@ from itertools import pairwise
 
 from nano_scheduler.config import cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim.cost_model import BatchShape, StepCost
-from nano_scheduler.sim.fit import Piecewise, increasing, log_hats, nnls
+from nano_scheduler.sim.fit import Piecewise, increasing, log_hats, nnlad, nnls
 from nano_scheduler.sim.host import ServerCosts
 from nano_scheduler.sim.profile import (
     HOST_PHASES,
@@ -70,8 +74,12 @@ class ProfiledCostModel:
         sampling: str = "greedy",
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        host_scale: float = 1.0,
     ) -> None:
+        if not (host_scale > 0 and math.isfinite(host_scale)):
+            raise ValueError(f"the host scale must be a positive number, got {host_scale}")
         self.profile = profile
+        self.host_scale = host_scale
         self.synchronous = bool(profile.device.get("synchronous", False))
         if frontend not in profile.host:
             raise ValueError(
@@ -88,7 +96,9 @@ class ProfiledCostModel:
         self.graph_sizes = cuda_graph_sizes(seqs) if engine.cuda_graph_sizes else []
         self._graph_limit = self.graph_sizes[-1] if self.graph_sizes else 0
         self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
-        self._ragged = self._ragged_floor(profile.host.get("server") or profile.host[frontend])
+        self._ragged, self._served = self._served_graphs(
+            profile.host.get("server") or profile.host[frontend]
+        )
         self._eager = EagerModel(profile.eager, self._piecewise(engine.max_num_batched_tokens))
         budget = max_num_batched_tokens or engine.max_num_batched_tokens
         self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
@@ -102,7 +112,9 @@ class ProfiledCostModel:
             profile.host[frontend], engine.block_size, cpu=cpu, synchronous=self.synchronous
         )
         self.server_costs = (
-            server_costs(profile.host["server"], profile.server) if frontend == "server" else None
+            server_costs(profile.host["server"], profile.server).scaled(host_scale)
+            if frontend == "server"
+            else None
         )
 
     def _piecewise(self, max_num_batched_tokens: int) -> list[int]:
@@ -121,7 +133,8 @@ class ProfiledCostModel:
             size = self.graph_sizes[bisect_left(self.graph_sizes, n_dec)]
             self._check("decode context", context / n_dec, self._decode.max_context)
             self._check("CUDA-graph batch size", size, self._decode.sizes[-1])
-            return self._decode(size, max(context, self._ragged * size * max(batch.decodes)))
+            longest = max(batch.decodes)
+            return self._served * self._decode(size, max(context, self._ragged * size * longest))
         eager = self._eager
         self._check("tokens in a step", batch.num_tokens, eager.max_tokens)
         if batch.prefills:
@@ -130,38 +143,41 @@ class ProfiledCostModel:
             )
         return eager(batch.prefills, n_dec, context)
 
-    def _ragged_floor(self, records: list[StepRecord]) -> float:
-        """How a decode graph's time follows its longest context, not only the total: the
-        profile's grid has equal contexts, but a served batch's are ragged, and the longest
-        sequence's attention is the last to finish. A batch is modelled as costing at least
-        an equal batch of ``floor`` x its longest context: the floor that fits the profile's
-        served graph steps best (least squared log error; the device's time of each is in
-        its record). 0.3 on an H200 (Qwen3-0.6B), where the error's spread fell from 13% to
-        8% on the profile's steps and from 8% to 6% on a trace replayed apart; 0 without
-        enough such steps."""
+    def _served_graphs(self, records: list[StepRecord]) -> tuple[float, float]:
+        """What a decode graph takes when served, beyond the grid's equal batches replayed
+        alone: ``floor``, how its time follows its longest context, not only the total (a
+        served batch's contexts are ragged, and the longest sequence's attention is the last
+        to finish: a batch costs at least an equal batch of ``floor`` x its longest context);
+        ``scale``, the ratio of the served steps' time to the grid's (inputs copied beside
+        the replay, another stream's work, clocks: 1-5% more on an H200). The pair that fits
+        the profile's served graph steps best (least squared log error; the device's time of
+        each is in its record): 0.3 and 1.03 on an H200 (Qwen3-0.6B), where the floor took
+        the error's spread from 13% to 8% on the profile's steps and from 8% to 6% on a trace
+        replayed apart; (0, 1) without 50 such steps."""
         sizes = sorted(self.profile.engine.cuda_graph_sizes)  # (the graphs it ran)
         if self._decode is None or not sizes:
-            return 0.0
+            return 0.0, 1.0
         steps = [
             r
             for r in records
             if r.forward and not r.eager and not r.prefills and 0 < r.decodes[0] <= sizes[-1]
         ]
         if len(steps) < 50:
-            return 0.0
+            return 0.0, 1.0
         # (padded as the profiled engine padded them, whatever the what-if's graphs)
         shapes = [(sizes[bisect_left(sizes, r.decodes[0])], r) for r in steps]
-
-        def error(floor: float) -> float:
-            return sum(
-                math.log(
-                    self._decode(size, max(r.decodes[1], floor * size * r.decodes[2])) / r.forward
-                )
-                ** 2
-                for size, r in shapes
-            )
-
-        return min((i / 20 for i in range(21)), key=error)
+        best = None
+        for floor in (i / 20 for i in range(21)):
+            logs = []
+            for size, r in shapes:
+                _, total, longest = r.decodes
+                equal = self._decode(size, max(total, floor * size * longest))
+                logs.append(math.log(r.forward / equal))
+            shift = sum(logs) / len(logs)  # (the scale that fits best with this floor)
+            error = sum((x - shift) ** 2 for x in logs)
+            if best is None or error < best[0]:
+                best = (error, floor, math.exp(shift))
+        return best[1], best[2]
 
     def sample_time(self, rows: int) -> float:
         if not rows:
@@ -188,13 +204,17 @@ class ProfiledCostModel:
         schedule, launch, sample = host.step(batch, eager, drawn)
         device_sample = 0.0 if drawn else self.sample_time(batch.num_sampled)
         forward = self.forward_time(batch)
-        return StepCost(schedule, launch, forward, sample, device_sample, host.rest(eager))
+        x = self.host_scale
+        return StepCost(
+            schedule * x, launch * x, forward, sample * x, device_sample, host.rest(eager) * x
+        )
 
     def intake_cost(self, prompt_tokens: int) -> float:
-        return self._host.intake_cost(prompt_tokens)
+        return self._host.intake_cost(prompt_tokens) * self.host_scale
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
-        return self._host.resolve(resolved, finished, outputs)
+        post, publish = self._host.resolve(resolved, finished, outputs)
+        return post * self.host_scale, publish * self.host_scale
 
     def host_ratio(self, records: list[StepRecord]) -> float:
         """The loop thread's host time in a step log over what this model predicts for the
@@ -392,7 +412,7 @@ class HostModel:
         self.sample_eager = self._fit(eager, lambda r: [1.0, r.sampled], 3) if eager else None
         resolving = [r for r in records if r.resolved]
         self.post = self._fit(resolving or steps, self._post_features, 2)
-        self.publish = self._fit(records, lambda r: [1.0, r.outputs], 4)
+        self.publish = self._by_outputs(records)
         self.between, self.intake = self._rest(records)
 
     def _rest(self, records: list[StepRecord]) -> tuple[list[float], list[float]]:
@@ -434,10 +454,32 @@ class HostModel:
     def _fit(self, records: list[StepRecord], features, phase: int) -> list[float]:
         """Least squares weighted by 1 / time, between absolute and relative error: the small
         steps most serving is made of count, as the large ones do (a plain fit, dominated by
-        the large, overestimated the small by 20-50% on the GPU)."""
+        the large, overestimated the small by 20-50% on the GPU); then scaled so that it sums
+        to what it was fitted to. The weights favour the records that came out fast, and the
+        loop's time is a sum: unscaled, the phases' fits summed to 0.84-0.93 of the measured
+        on an H200, and nano-sim's saturated throughput came out 6% high."""
         times = [self._time(r, phase) for r in records]
         floor = max(sorted(times)[len(times) // 10], 1e-6)  # (no weight for a time of ~0)
-        return nnls([features(r) for r in records], times, [1 / max(t, floor) for t in times])
+        rows = [features(r) for r in records]
+        coef = nnls(rows, times, [1 / max(t, floor) for t in times])
+        fitted = sum(self._dot(coef, row) for row in rows)
+        return [c * sum(times) / fitted for c in coef] if fitted > 0 else coef
+
+    def _by_outputs(self, records: list[StepRecord]) -> Piecewise:
+        """The publish phase by the number of outputs: the mean of each bin of the number (bins
+        half an octave wide, of 3 records at least), made non-decreasing, interpolated. Not a
+        line: on an H200 it cost ~5 us an output up to a hundred, ~10 us beyond 150."""
+        bins: dict[int, list[tuple[int, float]]] = {}
+        for r in records:
+            key = int(math.log2(r.outputs) * 2) if r.outputs else -1
+            bins.setdefault(key, []).append((r.outputs, self._time(r, 4)))
+        groups = [g for _, g in sorted(bins.items()) if len(g) >= 3] or [
+            g for _, g in sorted(bins.items())
+        ]
+        points = [
+            (sum(n for n, _ in g) / len(g), sum(t for _, t in g) / len(g), len(g)) for g in groups
+        ]
+        return Piecewise(increasing(points))
 
     @staticmethod
     def _dot(coef: list[float], features: list[float]) -> float:
@@ -499,7 +541,7 @@ class HostModel:
     def resolve(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
         p = self.post
         post = p[0] + p[1] * resolved + p[2] * finished + p[3] * outputs
-        return post, self.publish[0] + self.publish[1] * outputs
+        return post, self.publish(outputs)
 
 
 def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
@@ -542,8 +584,64 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
     latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
+    ingress, egress = _calmest(server)
+    hop, hop_token = _hop(ingress, latency, request, prompt_token)
+    relay = _relay(egress, latency, passes)
     points = tuple(zip(passes.xs, passes.ys))
-    return ServerCosts(request, prompt_token, points, latency, first, busy, own)
+    return ServerCosts(
+        request, prompt_token, points, latency, first, busy, own, hop, hop_token, relay
+    )
+
+
+def _calmest(server: dict) -> tuple[list, list]:
+    """The ingress and egress samples of the workload sent at the lowest rate over time, where
+    a request seldom waits behind others (the samples follow the workloads' order; all of
+    them where the profile cannot say which workload each is from)."""
+    ingress, egress = server.get("ingress", []), server.get("egress", [])
+    workloads = server.get("workloads", [])
+    if sum(int(w[2]) for w in workloads) != len(ingress) or any(len(w) < 6 for w in workloads):
+        return ingress, egress
+    spans, start = [], 0
+    for w in workloads:
+        spans.append((start, start + int(w[2]), w[2] / w[5] if w[5] > 0 else math.inf))
+        start += int(w[2])
+    first, end, rate = min(spans, key=lambda span: span[2])
+    if rate == math.inf or end - first < 20:
+        return ingress, egress
+    # (egress has a sample for each request with a first token: align by request, not index)
+    return ingress[first:end], _egress_of(server, first, end)
+
+
+def _egress_of(server: dict, first: int, end: int) -> list:
+    egress = server.get("egress", [])
+    return egress[first:end] if len(egress) == len(server.get("ingress", [])) else egress
+
+
+def _hop(ingress: list, latency: float, request: float, prompt_token: float) -> tuple[float, float]:
+    """The way in that the front's handling and the network leave: seconds and seconds per
+    prompt token, a median's fit (least absolute deviations) of each request's way in (sent
+    -> the engine has it) less the network's latency and its handling."""
+    rows = [[1.0, float(tokens)] for tokens, _ in ingress]
+    left = [s - latency - request - prompt_token * tokens for tokens, s in ingress]
+    if len(rows) < 10:
+        return 0.0, 0.0
+    hop, per_token = nnlad(rows, left)
+    return hop, per_token
+
+
+def _relay(egress: list, latency: float, passes: Piecewise) -> float:
+    """The share of a pass over n streams spent before its first chunk goes out, from the
+    first tokens' way out (published -> received) where a pass had several streams: the
+    median of (way out - latency - one stream's chunk) / (the rest of the pass), in [0, 1]."""
+    shares = []
+    for n, seconds in egress:
+        if n >= 2:
+            whole = passes(n)
+            shares.append((seconds - latency - whole / n) / (whole - whole / n))
+    if len(shares) < 10:
+        return 0.0
+    shares.sort()
+    return min(1.0, max(0.0, shares[len(shares) // 2]))
 
 
 def _request_costs(
