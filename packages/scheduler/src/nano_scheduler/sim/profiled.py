@@ -581,12 +581,10 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     request, prompt_token, busy = _request_costs(
         records, server.get("workloads", []), passes, shared=not own
     )
-    lone = sorted(s for outputs, s in server.get("egress", []) if outputs <= 1)
-    latency = max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0
     first = float(server.get("first_request_s") or 0.0)
     ingress, egress = _calmest(server)
+    latency, relay = _way_out(egress, server.get("egress", []), passes)
     hop, hop_token = _hop(ingress, latency, request, prompt_token)
-    relay = _relay(egress, latency, passes)
     points = tuple(zip(passes.xs, passes.ys))
     return ServerCosts(
         request, prompt_token, points, latency, first, busy, own, hop, hop_token, relay
@@ -608,13 +606,9 @@ def _calmest(server: dict) -> tuple[list, list]:
     first, end, rate = min(spans, key=lambda span: span[2])
     if rate == math.inf or end - first < 20:
         return ingress, egress
-    # (egress has a sample for each request with a first token: align by request, not index)
-    return ingress[first:end], _egress_of(server, first, end)
-
-
-def _egress_of(server: dict, first: int, end: int) -> list:
-    egress = server.get("egress", [])
-    return egress[first:end] if len(egress) == len(server.get("ingress", [])) else egress
+    # (egress has a sample for each request with a first token: aligned where it has one for
+    # every request)
+    return ingress[first:end], egress[first:end] if len(egress) == len(ingress) else egress
 
 
 def _hop(ingress: list, latency: float, request: float, prompt_token: float) -> tuple[float, float]:
@@ -629,19 +623,20 @@ def _hop(ingress: list, latency: float, request: float, prompt_token: float) -> 
     return hop, per_token
 
 
-def _relay(egress: list, latency: float, passes: Piecewise) -> float:
-    """The share of a pass over n streams spent before its first chunk goes out, from the
-    first tokens' way out (published -> received) where a pass had several streams: the
-    median of (way out - latency - one stream's chunk) / (the rest of the pass), in [0, 1]."""
-    shares = []
-    for n, seconds in egress:
-        if n >= 2:
-            whole = passes(n)
-            shares.append((seconds - latency - whole / n) / (whole - whole / n))
-    if len(shares) < 10:
-        return 0.0
-    shares.sort()
-    return min(1.0, max(0.0, shares[len(shares) // 2]))
+def _way_out(calm: list, egress: list, passes: Piecewise) -> tuple[float, float]:
+    """The network's latency, and the share of a pass over n streams spent before its first
+    chunk goes out (the relay), from the first tokens' way out (published -> received) in the
+    calmest workload: a median's fit of way out - one stream's chunk = latency + relay x the
+    rest of the pass (latency + relay x pass(n) + (1 - relay) x pass(n) / n for a stream
+    first in its pass, as a new one is). Without enough such samples: the latency of the
+    lone first tokens (their median less a pass over one stream), no relay."""
+    if len(calm) >= 10:
+        rows = [[1.0, passes(n) - passes(n) / n] for n, _ in calm]
+        left = [seconds - passes(n) / n for n, seconds in calm]
+        latency, relay = nnlad(rows, left)
+        return latency, min(1.0, relay)
+    lone = sorted(seconds for n, seconds in egress if n <= 1)
+    return (max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0), 0.0
 
 
 def _request_costs(
