@@ -67,8 +67,10 @@ def test_the_profile_holds_the_engine_and_what_was_measured(profile):
     costs = model.server_costs
     assert costs.pass_seconds(1) > 0 and costs.latency >= 0
     assert costs.own_process and costs.busy == 0 and not model._host.cpu
-    # The way in beyond the front's handling, and a pass's relay before its first chunk.
-    assert costs.hop >= 0 and costs.hop_token >= 0 and 0 <= costs.relay <= 1
+    # The way in beyond the front's handling: a part of a request's typical way in (fitted on
+    # the calmest workload, not on the bursts' queued ones).
+    ways_in = sorted(seconds for tokens, seconds in p.server["ingress"] if tokens <= 100)
+    assert costs.hop + 100 * costs.hop_token < ways_in[len(ways_in) // 2]
 
 
 def test_nano_sim_predicts_from_it(profile, tmp_path):

@@ -192,7 +192,7 @@ async def _replay_part(target, requests, part, processes, start) -> list[ClientR
         # 4 slowest TTFTs in a replay on an H200): one request to /health before the start
         # pays it (any answer does).
         with contextlib.suppress(httpx.HTTPError):
-            await client.get(f"{target.url}/health")
+            await client.get(f"{target.url}/health", timeout=10)
         tasks = []
         for index in range(part, len(requests), processes):
             r = requests[index]

@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--host-scale",
         type=float,
         help="with --profile: the host's time against when it was profiled, e.g. 1.2 for a "
-        "CPU 20%% slower (every host cost of the profile times this; default 1)",
+        "CPU 20%% slower (every host cost of the profile times this, the device's times as "
+        "they are, a CPU profile's forwards included; default 1)",
     )
     m.add_argument(
         "--model-config",
@@ -186,7 +187,7 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("bandwidth", "tflops", "gpu_memory", "rate", "rate_scale", "host_scale"):
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 and finite, got {value}")
     if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
         raise ValueError(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
     for name in ("slo_ttft_p99", "slo_tpot_p99"):

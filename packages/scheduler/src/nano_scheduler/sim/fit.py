@@ -135,9 +135,10 @@ def increasing(points: Sequence[tuple[float, float, float]]) -> list[tuple[float
 
 class Piecewise:
     """y(x) through measured points, linear in between; flat below the first point and, past
-    the last, the last segment's slope (never decreasing). ``x`` must be distinct."""
+    the last, the last segment's slope (never decreasing) or ``tail``, whichever is lower.
+    ``x`` must be distinct."""
 
-    def __init__(self, points: Sequence[tuple[float, float]]) -> None:
+    def __init__(self, points: Sequence[tuple[float, float]], tail: float | None = None) -> None:
         if not points:
             raise ValueError("a piecewise-linear curve needs at least one point")
         pts = sorted(points)
@@ -150,6 +151,8 @@ class Piecewise:
             self.tail = max(0.0, slope)
         else:
             self.tail = 0.0
+        if tail is not None:
+            self.tail = min(self.tail, max(0.0, tail))
 
     def __call__(self, x: float) -> float:
         xs = self.xs

@@ -74,11 +74,12 @@ class OfflineHost:
 class ServerCosts:
     """The event loop's CPU seconds: per request (and prompt token) received, and of a pass
     over ``n`` streams with new outputs (``passes``: measured (n, seconds), interpolated);
-    ``latency``: the network's, each way; ``first_request``: the first request's extra
-    handling (a cold path); ``busy``: how much more a request's handling costs while the loop
-    thread computes beside it, as a share (0.5: 1.5 times; the two threads trade the
-    interpreter lock and the caches: on an H200 a request of 1,000 prompt tokens took 1.9-2.4
-    ms while the loop thread waited for the device, 3.2 ms beside an eager launch);
+    ``latency``: each way, the network's and the host's wake-ups (``scaled`` with the host);
+    ``first_request``: the first request's extra handling (a cold path); ``busy``: how much
+    more a request's handling costs while the loop thread computes beside it, as a share
+    (0.5: 1.5 times; the two threads trade the interpreter lock and the caches: on an H200 a
+    request of 1,000 prompt tokens took 1.9-2.4 ms while the loop thread waited for the
+    device, 3.2 ms beside an eager launch);
     ``own_process``: the engine runs in a process of its own (the event loop's work is the
     front process's and never holds the loop thread's lock); ``hop`` and ``hop_token``: the
     seconds, and per prompt token, from a request's handling to the engine having it (the
@@ -100,11 +101,10 @@ class ServerCosts:
     def __post_init__(self) -> None:
         if not 0.0 <= self.relay <= 1.0:
             raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
-        for name in ("request", "prompt_token", "latency", "first_request", "busy", "hop"):
-            if getattr(self, name) < 0:
+        names = ("request", "prompt_token", "latency", "first_request", "busy", "hop")
+        for name in (*names, "hop_token"):
+            if not getattr(self, name) >= 0:  # (NaN too)
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.hop_token < 0:
-            raise ValueError(f"hop_token must be >= 0, got {self.hop_token}")
 
     def scaled(self, factor: float) -> ServerCosts:
         """These costs on a host ``factor`` times as slow (its CPU's work and wake-ups)."""

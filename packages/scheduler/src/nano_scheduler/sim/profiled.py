@@ -149,7 +149,7 @@ class ProfiledCostModel:
         served batch's contexts are ragged, and the longest sequence's attention is the last
         to finish: a batch costs at least an equal batch of ``floor`` x its longest context);
         ``scale``, the ratio of the served steps' time to the grid's (inputs copied beside
-        the replay, another stream's work, clocks: 1-5% more on an H200). The pair that fits
+        the replay, another stream's work, clocks: 2-8% more on an H200). The pair that fits
         the profile's served graph steps best (least squared log error; the device's time of
         each is in its record): 0.3 and 1.03 on an H200 (Qwen3-0.6B), where the floor took
         the error's spread from 13% to 8% on the profile's steps and from 8% to 6% on a trace
@@ -213,6 +213,7 @@ class ProfiledCostModel:
         return self._host.intake_cost(prompt_tokens) * self.host_scale
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        self._check("outputs published at once", outputs, self._host.publish.span[1])
         post, publish = self._host.resolve(resolved, finished, outputs)
         return post * self.host_scale, publish * self.host_scale
 
@@ -476,10 +477,13 @@ class HostModel:
         groups = [g for _, g in sorted(bins.items()) if len(g) >= 3] or [
             g for _, g in sorted(bins.items())
         ]
-        points = [
-            (sum(n for n, _ in g) / len(g), sum(t for _, t in g) / len(g), len(g)) for g in groups
-        ]
-        return Piecewise(increasing(points))
+        points = increasing(
+            [(sum(n for n, _ in g) / len(g), sum(t for _, t in g) / len(g), len(g)) for g in groups]
+        )
+        # (past the largest bin: at most its cost an output; the last two bins' slope was
+        # twice that on an H200)
+        last_n, last_t = points[-1]
+        return Piecewise(points, tail=last_t / last_n if last_n > 0 else 0.0)
 
     @staticmethod
     def _dot(coef: list[float], features: list[float]) -> float:
@@ -584,7 +588,8 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     first = float(server.get("first_request_s") or 0.0)
     ingress, egress = _calmest(server)
     latency, relay = _way_out(egress, server.get("egress", []), passes)
-    hop, hop_token = _hop(ingress, latency, request, prompt_token)
+    # (an engine in the front's process has a request once the front handled it)
+    hop, hop_token = _hop(ingress, latency, request, prompt_token) if own else (0.0, 0.0)
     points = tuple(zip(passes.xs, passes.ys))
     return ServerCosts(
         request, prompt_token, points, latency, first, busy, own, hop, hop_token, relay
@@ -592,23 +597,25 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
 
 
 def _calmest(server: dict) -> tuple[list, list]:
-    """The ingress and egress samples of the workload sent at the lowest rate over time, where
-    a request seldom waits behind others (the samples follow the workloads' order; all of
-    them where the profile cannot say which workload each is from)."""
+    """The ingress and egress samples of the workload sent at the lowest rate over time (of
+    10 requests at least), where a request seldom waits behind others: the samples follow
+    the workloads' order. None ([], []) where the profile cannot say which workload a sample
+    is from, or sent every workload at once: a burst's samples queued, and the simulation
+    queues its requests itself."""
     ingress, egress = server.get("ingress", []), server.get("egress", [])
     workloads = server.get("workloads", [])
     if sum(int(w[2]) for w in workloads) != len(ingress) or any(len(w) < 6 for w in workloads):
-        return ingress, egress
+        return [], []
     spans, start = [], 0
     for w in workloads:
-        spans.append((start, start + int(w[2]), w[2] / w[5] if w[5] > 0 else math.inf))
+        if w[5] > 0 and w[2] >= 10:
+            spans.append((w[2] / w[5], start, start + int(w[2])))
         start += int(w[2])
-    first, end, rate = min(spans, key=lambda span: span[2])
-    if rate == math.inf or end - first < 20:
-        return ingress, egress
-    # (egress has a sample for each request with a first token: aligned where it has one for
-    # every request)
-    return ingress[first:end], egress[first:end] if len(egress) == len(ingress) else egress
+    if not spans:
+        return [], []
+    _, first, end = min(spans)
+    # (a sample for each request with a first token: aligned where every request has one)
+    return ingress[first:end], egress[first:end] if len(egress) == len(ingress) else []
 
 
 def _hop(ingress: list, latency: float, request: float, prompt_token: float) -> tuple[float, float]:
@@ -630,7 +637,7 @@ def _way_out(calm: list, egress: list, passes: Piecewise) -> tuple[float, float]
     rest of the pass (latency + relay x pass(n) + (1 - relay) x pass(n) / n for a stream
     first in its pass, as a new one is). Without enough such samples: the latency of the
     lone first tokens (their median less a pass over one stream), no relay."""
-    if len(calm) >= 10:
+    if len(calm) >= 10:  # (the pass's relay is CPU time, the way out wall time: at most 1)
         rows = [[1.0, passes(n) - passes(n) / n] for n, _ in calm]
         left = [seconds - passes(n) / n for n, seconds in calm]
         latency, relay = nnlad(rows, left)
