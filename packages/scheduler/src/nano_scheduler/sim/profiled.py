@@ -637,6 +637,7 @@ def _way_out(calm: list, egress: list, passes: Piecewise) -> tuple[float, float]
     rest of the pass (latency + relay x pass(n) + (1 - relay) x pass(n) / n for a stream
     first in its pass, as a new one is). Without enough such samples: the latency of the
     lone first tokens (their median less a pass over one stream), no relay."""
+    calm = [(n, seconds) for n, seconds in calm if n >= 1]
     if len(calm) >= 10:  # (the pass's relay is CPU time, the way out wall time: at most 1)
         rows = [[1.0, passes(n) - passes(n) / n] for n, _ in calm]
         left = [seconds - passes(n) / n for n, seconds in calm]
