@@ -151,7 +151,7 @@ class ProfiledCostModel:
         ``scale``, the ratio of the served steps' time to the grid's (inputs copied beside
         the replay, another stream's work, clocks: 2-8% more on an H200). The pair that fits
         the profile's served graph steps best (least squared log error; the device's time of
-        each is in its record): 0.3 and 1.03 on an H200 (Qwen3-0.6B), where the floor took
+        each is in its record): 0.25-0.3 and 1.03-1.08 on an H200 (Qwen3-0.6B); the floor took
         the error's spread from 13% to 8% on the profile's steps and from 8% to 6% on a trace
         replayed apart; (0, 1) without 50 such steps."""
         sizes = sorted(self.profile.engine.cuda_graph_sizes)  # (the graphs it ran)
@@ -560,7 +560,9 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     and mixed in, it made the fit put everything on the tokens: 0 ms + 3.0-3.9 us a token on
     an H200, where the spread-out requests measure 1.1-1.4 ms + 1.2-1.7 us, as replayed
     traces do. (A profile whose workloads do not say how they were sent: all of them but the
-    first, a cold start.)"""
+    first, a cold start.) The ways in and out of the workload sent at the lowest rate give the
+    network's latency, a pass's relay before its first chunk and a request's hop from the
+    front to the engine's process (``_way_out``, ``_hop``)."""
     if not any(r.server_cpu_at is not None for r in records):
         raise ValueError(
             "the profile lacks the server's event-loop measurements (profiled with "
