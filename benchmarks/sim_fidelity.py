@@ -217,6 +217,10 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         "rows": compare(runs, sim),
         "relay": relay,
         "host_ratio": [host_ratio(profile, d / "steps.jsonl") for d in dirs],
+        "clients": [
+            {"cpu_share": r["client_cpu_share"], "late_max_s": r["client_lateness_s"]["max"]}
+            for r in runs
+        ],
     }
 
 
@@ -263,6 +267,25 @@ def host_note(results: list[dict]) -> str:
             " **Warning**: the host ran at another speed than when profiled"
             f" ({min(off):.2f}-{max(off):.2f}x its time); these errors measure the machine's"
             " drift as much as nano-sim."
+        )
+    return note
+
+
+def client_note(results: list[dict]) -> str:
+    """One line: how busy the clients were in each run, and a warning where one sent a
+    request more than 20 ms late (its event loop stalled: the times it stamps carry its
+    stalls, which no simulation of the server has)."""
+    runs = [(r["scenario"], c) for r in results for c in r.get("clients", [])]
+    if not runs:
+        return ""
+    text = ", ".join(
+        f"{name} {c['cpu_share']:.0%} ({c['late_max_s'] * 1e3:.0f} ms)" for name, c in runs
+    )
+    note = f"The busiest client process's CPU share (the latest request it sent): {text}."
+    if any(c["late_max_s"] > 0.02 for _, c in runs):
+        note += (
+            " **Warning**: a client was late by more than 20 ms; its stalls are in the"
+            " engine's latencies (more client processes: --processes)."
         )
     return note
 
@@ -386,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = what_if if name == "what-if" else []
         print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
         results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
-        print(table(results[-1:]) + "\n\n" + host_note(results[-1:]), flush=True)
-    text = table(results) + "\n\n" + host_note(results)
+        notes = host_note(results[-1:]) + "\n\n" + client_note(results[-1:])
+        print(table(results[-1:]) + "\n\n" + notes, flush=True)
+    text = table(results) + "\n\n" + host_note(results) + "\n\n" + client_note(results)
     (args.out / "fidelity.md").write_text(text + "\n")
     (args.out / "fidelity.json").write_text(json.dumps(nan_to_none(results), indent=2))
     print("\n" + text)

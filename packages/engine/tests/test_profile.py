@@ -210,6 +210,8 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         assert len(result["host_ratio"]) == 2
         assert all(0.2 < x < 5 for x in result["host_ratio"])
     assert "host time against the profile's prediction" in (out / "fidelity.md").read_text()
+    assert "busiest client process's CPU share" in (out / "fidelity.md").read_text()
+    assert all(len(r["clients"]) == 2 for r in results)
     table = (out / "fidelity.md").read_text()
     assert table.startswith("| scenario | metric | engine | engine's runs apart | nano-sim |")
     assert "| what-if | in (sent -> the engine has it) p50 |" in table
@@ -250,6 +252,23 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
     for bad in (math.nan, None, 0.0):
         with pytest.raises(ValueError, match=r"--max-num-seqs 64.*--what-if-rate"):
             harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
+
+
+def test_the_harness_says_when_its_clients_were_late():
+    """A client that sent a request late by more than 20 ms stamped its stalls into the
+    engine's latencies: the note says so, and names each run's busiest client."""
+    spec = importlib.util.spec_from_file_location(
+        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
+    )
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    calm = {"scenario": "load", "clients": [{"cpu_share": 0.3, "late_max_s": 0.002}]}
+    late = {"scenario": "saturated", "clients": [{"cpu_share": 0.52, "late_max_s": 0.116}]}
+    note = harness.client_note([calm])
+    assert "load 30% (2 ms)" in note and "Warning" not in note
+    note = harness.client_note([calm, late])
+    assert "saturated 52% (116 ms)" in note and "late by more than 20 ms" in note
+    assert harness.client_note([{"scenario": "load"}]) == ""
 
 
 def test_bench_serving_reports_nano_sims_fields(tmp_path):
