@@ -72,6 +72,7 @@ NAMES = {
 # Each request's way in and out, apart from the engine's own time (a diagnosis, not a target;
 # nano-sim has no front apart from the engine: its "front_s" is missing)
 RELAY = ("ingress_s", "front_s", "egress_s")
+LATE = 0.01  # seconds a client may send a request late before its stalls are warned of
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -170,7 +171,7 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     engine["client_cpu_share"] = run.cpu_share
     late = sorted(run.lateness(requests))
     engine["client_lateness_s"] = {"p50": late[len(late) // 2], "max": late[-1]}
-    if late[-1] > 0.01:
+    if late[-1] > LATE:
         print(f"warning: a client sent a request {late[-1] * 1e3:.0f} ms late", flush=True)
     data = {"summary": engine, "requests": [r.to_dict() for r in records]}
     (workdir / "engine.json").write_text(json.dumps(nan_to_none(data), indent=1))
@@ -272,20 +273,21 @@ def host_note(results: list[dict]) -> str:
 
 
 def client_note(results: list[dict]) -> str:
-    """One line: how busy the clients were in each run, and a warning where one sent a
-    request more than 20 ms late (its event loop stalled: the times it stamps carry its
-    stalls, which no simulation of the server has)."""
+    """One line: how busy the clients were in each run (the busiest process's CPU share, and
+    the most any of them sent a request late), and a warning where one was late by more
+    than ``LATE`` (its event loop stalled: the times it stamps carry its stalls, which no
+    simulation of the server has)."""
     runs = [(r["scenario"], c) for r in results for c in r.get("clients", [])]
     if not runs:
         return ""
     text = ", ".join(
-        f"{name} {c['cpu_share']:.0%} ({c['late_max_s'] * 1e3:.0f} ms)" for name, c in runs
+        f"{name} {c['cpu_share']:.0%} ({c['late_max_s'] * 1e3:.0f} ms late)" for name, c in runs
     )
-    note = f"The busiest client process's CPU share (the latest request it sent): {text}."
-    if any(c["late_max_s"] > 0.02 for _, c in runs):
+    note = f"The clients: the busiest one's CPU share, and the most any sent late: {text}."
+    if any(c["late_max_s"] > LATE for _, c in runs):
         note += (
-            " **Warning**: a client was late by more than 20 ms; its stalls are in the"
-            " engine's latencies (more client processes: --processes)."
+            f" **Warning**: a client was late by more than {LATE * 1e3:.0f} ms; its stalls are"
+            " in the engine's latencies (more client processes: --processes)."
         )
     return note
 

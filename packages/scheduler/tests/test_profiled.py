@@ -796,11 +796,22 @@ def test_the_publish_phase_follows_its_outputs_past_a_knee():
     host = HostModel(records, 16)
     for n in (3, 40, 100, 180, 250):
         assert host.resolve(n, 0, n)[1] == pytest.approx(publish(n), rel=0.06), n
+    # past the largest bin: its cost an output at most, not the last two bins' steeper slope
+    last_n, last_t = host.publish.xs[-1], host.publish.ys[-1]
+    assert host.resolve(0, 0, 2 * last_n)[1] == pytest.approx(2 * last_t)
+    assert Piecewise([(1, 1.0), (2, 3.0)], tail=0.5)(4) == pytest.approx(4.0)
+    assert Piecewise([(1, 1.0), (2, 3.0)], tail=-1.0)(4) == 3.0
+    # a simulation asking far beyond the profiled outputs is warned, once
+    profile = synthetic_profile()
+    model = ProfiledCostModel(profile, frontend="offline")
+    beyond = int(3 * model._host.publish.span[1])
+    with pytest.warns(RuntimeWarning, match="outputs published at once"):
+        model.resolve_cost(beyond, 0, beyond)
 
 
 def test_a_median_s_fit_ignores_what_queued():
     """Samples of a line, a third of them delayed by queueing (tens of times the line): least
-    absolute deviations recover the line, least squares does not; no coefficient < 0."""
+    absolute deviations recover the line, least squares does not."""
     rng = random.Random(2)
     rows, targets = [], []
     for _ in range(300):

@@ -101,8 +101,15 @@ class ServerCosts:
     def __post_init__(self) -> None:
         if not 0.0 <= self.relay <= 1.0:
             raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
-        names = ("request", "prompt_token", "latency", "first_request", "busy", "hop")
-        for name in (*names, "hop_token"):
+        for name in (
+            "request",
+            "prompt_token",
+            "latency",
+            "first_request",
+            "busy",
+            "hop",
+            "hop_token",
+        ):
             if not getattr(self, name) >= 0:  # (NaN too)
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -606,7 +606,7 @@ def _calmest(server: dict) -> tuple[list, list]:
     queues its requests itself."""
     ingress, egress = server.get("ingress", []), server.get("egress", [])
     workloads = server.get("workloads", [])
-    if sum(int(w[2]) for w in workloads) != len(ingress) or any(len(w) < 6 for w in workloads):
+    if any(len(w) < 6 for w in workloads) or sum(int(w[2]) for w in workloads) != len(ingress):
         return [], []
     spans, start = [], 0
     for w in workloads:
@@ -624,10 +624,10 @@ def _hop(ingress: list, latency: float, request: float, prompt_token: float) -> 
     """The way in that the front's handling and the network leave: seconds and seconds per
     prompt token, a median's fit (least absolute deviations) of each request's way in (sent
     -> the engine has it) less the network's latency and its handling."""
+    if len(ingress) < 10:
+        return 0.0, 0.0
     rows = [[1.0, float(tokens)] for tokens, _ in ingress]
     left = [s - latency - request - prompt_token * tokens for tokens, s in ingress]
-    if len(rows) < 10:
-        return 0.0, 0.0
     hop, per_token = nnlad(rows, left)
     return hop, per_token
 
@@ -637,15 +637,18 @@ def _way_out(calm: list, egress: list, passes: Piecewise) -> tuple[float, float]
     chunk goes out (the relay), from the first tokens' way out (published -> received) in the
     calmest workload: a median's fit of way out - one stream's chunk = latency + relay x the
     rest of the pass (latency + relay x pass(n) + (1 - relay) x pass(n) / n for a stream
-    first in its pass, as a new one is). Without enough such samples: the latency of the
-    lone first tokens (their median less a pass over one stream), no relay."""
+    first in its pass, as a new one is), where 10 of them at least came with other streams;
+    else the latency alone, from the lone first tokens (their median less a pass over one
+    stream: the calmest workload's, else all of them), and no relay."""
     calm = [(n, seconds) for n, seconds in calm if n >= 1]
-    if len(calm) >= 10:  # (the pass's relay is CPU time, the way out wall time: at most 1)
+    if sum(n >= 2 for n, _ in calm) >= 10:  # (relay: CPU time, the way out: wall; at most 1)
         rows = [[1.0, passes(n) - passes(n) / n] for n, _ in calm]
         left = [seconds - passes(n) / n for n, seconds in calm]
         latency, relay = nnlad(rows, left)
         return latency, min(1.0, relay)
-    lone = sorted(seconds for n, seconds in egress if n <= 1)
+    lone = sorted(seconds for n, seconds in calm if n == 1) or sorted(
+        seconds for n, seconds in egress if n == 1
+    )
     return (max(0.0, lone[len(lone) // 2] - passes(1)) if lone else 0.0), 0.0
 
 
