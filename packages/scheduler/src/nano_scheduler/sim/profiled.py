@@ -111,6 +111,7 @@ class ProfiledCostModel:
         self._host = HostModel(
             profile.host[frontend], engine.block_size, cpu=cpu, synchronous=self.synchronous
         )
+        self._outputs_edge = self._host.publish.xs[-1]  # (the most outputs the profile saw)
         self.server_costs = (
             server_costs(profile.host["server"], profile.server).scaled(host_scale)
             if frontend == "server"
@@ -213,7 +214,7 @@ class ProfiledCostModel:
         return self._host.intake_cost(prompt_tokens) * self.host_scale
 
     def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
-        self._check("outputs published at once", outputs, self._host.publish.span[1])
+        self._check("outputs published at once", outputs, self._outputs_edge)
         post, publish = self._host.resolve(resolved, finished, outputs)
         return post * self.host_scale, publish * self.host_scale
 
