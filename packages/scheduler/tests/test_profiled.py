@@ -377,9 +377,15 @@ def test_nano_sim_checks_the_model_against_the_profile(profile_file, tmp_path):
     assert proc.returncode == 2 and "--host-scale needs --profile" in proc.stderr
 
 
-def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monkeypatch):
-    """The fast path (runs of identical decode steps, the scheduler called once after) gives
-    what stepping through the scheduler gives, within the context's growth over a run."""
+@pytest.mark.parametrize("num_blocks", [20_000, 400])
+def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(
+    monkeypatch, num_blocks
+):
+    """The fast path (runs of decode steps across block boundaries, the scheduler called
+    once after) gives what stepping through the scheduler gives, within the context's growth
+    over a block's worth of steps: in a roomy pool, and in one so tight that sequences are
+    preempted (a run stops before the step that would find no free block), with the same
+    blocks taken, shared and evicted."""
     from nano_scheduler.sim import synthetic
 
     profile = synthetic_profile()
@@ -391,8 +397,11 @@ def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monke
     def simulate():
         model = ProfiledCostModel(profile, frontend="offline")
         model._host.between = [5e-4, 8e-4]  # (the loop's time between iterations counts too)
-        requests = synthetic(120, (20, 600), (20, 300), rate=40, seed=5)
-        return Simulator(requests, model, config, num_blocks=20_000, server=server).run()
+        requests = synthetic(
+            120, (80, 600), (20, 300), rate=40, seed=5, num_prefixes=4, prefix_len=64
+        )
+        sim = Simulator(requests, model, config, num_blocks=num_blocks, server=server)
+        return sim, sim.run()
 
     runs = []  # (steps each fast run covered)
     real = Simulator._steady_decodes
@@ -404,18 +413,32 @@ def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monke
         return clocks
 
     monkeypatch.setattr(Simulator, "_steady_decodes", counted)
-    fast = simulate()
-    skipped = fast.num_steps
+    fast_sim, fast = simulate()
     monkeypatch.setattr(Simulator, "_steady_decodes", lambda *a: None)
-    slow = simulate()
+    slow_sim, slow = simulate()
     assert sum(runs) > slow.num_steps / 10  # (the fast path did run, often)
-    assert skipped == pytest.approx(slow.num_steps, rel=0.01)
+    assert max(runs) > fast_sim.block_manager.block_size  # (across block boundaries)
+    assert fast.num_steps == pytest.approx(slow.num_steps, rel=0.01)
+    assert fast.num_preemptions == pytest.approx(slow.num_preemptions, rel=0.1)
+    if num_blocks < 1000:
+        assert slow.num_preemptions > 0
     a, b = fast.summary(), slow.summary()
     assert a["requests"] == b["requests"] == 120
     for key in ("output_tok_per_s", "duration_s"):
         assert a[key] == pytest.approx(b[key], rel=0.01)
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert a[key]["p50"] == pytest.approx(b[key]["p50"], rel=0.02), key
+    for stat in ("mean", "max"):  # (the blocks the runs grew into, step by step)
+        assert a["kv_usage"][stat] == pytest.approx(b["kv_usage"][stat], rel=1e-3)
+    fast_bm, slow_bm = fast_sim.block_manager.stats(), slow_sim.block_manager.stats()
+    assert fast_bm.free_blocks == slow_bm.free_blocks == num_blocks  # (every block back)
+    assert fast_bm.hit_rate == pytest.approx(slow_bm.hit_rate, abs=0.02)
+    assert fast_bm.hit_rate > 0  # (the shared prefixes were found)
+    # (the blocks the runs filled were shared as the steps would have: they stay cached)
+    assert fast_bm.cached_free_blocks == pytest.approx(slow_bm.cached_free_blocks, rel=0.02)
+    if num_blocks < 1000:
+        assert fast_bm.evictions == pytest.approx(slow_bm.evictions, rel=0.1)
+        assert slow_bm.evictions > 0
 
 
 def test_an_eager_launchs_drawn_spread_keeps_the_fitted_mean():

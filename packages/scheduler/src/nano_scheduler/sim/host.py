@@ -185,10 +185,10 @@ class ServerHost:
         thread by its whole length. The event loop's work that starts meanwhile is the
         costlier work beside a computing thread (``ServerCosts.busy``). An engine in a
         process of its own computes undisturbed."""
+        if self.costs.own_process:  # (its event loop runs when asked what it has done)
+            return t + seconds
         if t >= self._next:
             self._run(t)  # (begun while the loop thread did not compute)
-        if self.costs.own_process:
-            return t + seconds
         self._computing = True
         try:
             while True:
@@ -207,7 +207,7 @@ class ServerHost:
 
     def free(self, t: float, until: float) -> float:
         """The loop thread holds no lock until ``until``: the event loop runs beside it."""
-        if until >= self._next:
+        if until >= self._next and not self.costs.own_process:
             self._run(until)
         return max(t, until)
 

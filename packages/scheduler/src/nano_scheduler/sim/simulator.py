@@ -233,39 +233,36 @@ class Simulator:
 
     def _steady_decodes(self, host, in_flight, t: float, device_free: float, timeline):
         """Run, without the scheduler, the iterations that would repeat the step in flight
-        unchanged: its decodes are every running sequence, none of them ends or needs a block
-        or fills one, no request comes in (so the scheduler would decide the same). The host
-        and the device do the same work as in the loop; the sequences get their tokens at
-        once after. None when fewer than two such iterations lie ahead; else the clocks, the
-        step now in flight and the number of steps (one at least)."""
+        with one more token each: its decodes are every running sequence, none of them ends
+        and the free blocks cover the ones they grow into, no request comes in (so the
+        scheduler would decide the same). The host and the device do the same work as in the
+        loop (the step's cost taken again every block's worth of steps, as the contexts grow);
+        the sequences get their tokens and blocks at once after. None when fewer than two such
+        iterations lie ahead; else the clocks, the step now in flight and the number of steps
+        (one at least)."""
         pending, device_end = in_flight
         out, running = pending.output, self.scheduler.running
         seqs = out.decodes
         if out.prefills or pending.finished or len(seqs) != len(running) or not seqs:
             return None
-        block_size = self.block_manager.block_size
-        steps = 1 << 30
-        for seq in seqs:  # (each holds the step in flight's placeholder as its last token)
-            length = len(seq.token_ids)
-            room = min(
-                block_size - 1 - (length - 1) % block_size,  # lengths that end no block
-                len(seq.block_table) * block_size - length + 1,  # lengths its blocks hold
-                seq.max_num_tokens - length - 1,  # before it reaches its length limit
-            )
-            if room < steps:
-                steps = room
-                if steps < 2:
-                    return None
+        # (each holds the step in flight's placeholder as its last token; step j of the run
+        # schedules its length + j - 1 tokens, and finishes it at its length + j)
+        lengths = [len(seq.token_ids) for seq in seqs]
+        steps = min(seq.max_num_tokens - length for seq, length in zip(seqs, lengths)) - 1
+        if steps < 2:
+            return None
         if seqs[0] is not running[0] or any(a is not b for a, b in zip(seqs, running)):
             return None
-        cost = self.cost_model
-        batch = BatchShape([], [len(s.token_ids) for s in seqs], len(seqs), len(seqs), 0)
-        step = cost.step_cost(batch)
-        eager = cost.is_eager(batch)
-        n = len(seqs)
+        bm = self.block_manager
+        grows = self._block_steps(seqs, lengths, steps)
+        if len(grows) > bm.num_free_blocks:  # (the step that would run out preempts)
+            steps = min(steps, grows[bm.num_free_blocks] - 1)
+            if steps < 2:
+                return None
+        cost, n, block_size = self.cost_model, len(seqs), bm.block_size
         post, publish = cost.resolve_cost(n, 0, n)
         streams = [(seq.seq_id, False) for seq in seqs]
-        usage = self.block_manager.usage
+        used, num_blocks = bm.num_used_blocks, bm.num_blocks
         cpu, free, publish_to, record, accepted_by = (
             host.cpu,
             host.free,
@@ -274,13 +271,15 @@ class Simulator:
             host.accepted_by,
         )
         horizon = self.horizon
-        launch, resolve_and_sample = step.schedule + step.launch, post + step.sample_host
-        between = step.between
-        forward, sample = step.forward, step.sample
-        done = 0
+        done = grown = 0
         while done < steps:
             if done and (accepted_by(t) or t >= horizon):  # (a request may come in here)
                 break
+            if not done % block_size:
+                batch = BatchShape([], [length + done for length in lengths], n, n, 0)
+                step, eager = cost.step_cost(batch), cost.is_eager(batch)
+                launch, resolve_and_sample = step.schedule + step.launch, post + step.sample_host
+                forward, sample, between = step.forward, step.sample, step.between
             start = t
             t = cpu(t, launch)
             if eager:
@@ -293,22 +292,41 @@ class Simulator:
             device_end = device_free = max(forward_end, t) + sample
             t = cpu(t, publish)
             publish_to(t, streams)
-            record(t, n, n, usage, n, 0)
-            t = cpu(t, between)
             done += 1
+            while grown < len(grows) and grows[grown] <= done:
+                grown += 1
+            record(t, n, n, (used + grown) / num_blocks, n, 0)
+            t = cpu(t, between)
         # The scheduler's state after those steps: the placeholder of the step that was in
-        # flight and done - 1 more tokens known, the last step's token in flight.
+        # flight and done - 1 more tokens known, the blocks that hold them (those filled
+        # shared, as the steps' scheduling and resolving left them), the last step's token
+        # in flight.
         self.now = t
         slots = []
         for row, seq in enumerate(seqs):
             tokens = seq.token_ids
             tokens[-1] = _SAMPLED_TOKEN
             tokens.extend([_SAMPLED_TOKEN] * (done - 1))
+            bm.may_append(seq)
+            bm.commit(seq, len(tokens))
             seq.num_computed_tokens = len(tokens)
             tokens.append(PENDING_TOKEN)
             slots.append((row, seq, len(tokens) - 1))
         advanced = PendingStep(SchedulerOutput(decodes=list(seqs), num_batched_tokens=n), slots, [])
         return t, device_free, (advanced, device_end), done
+
+    def _block_steps(self, seqs: list[Sequence], lengths: list[int], steps: int) -> list[int]:
+        """The steps of a run (1 to ``steps``) at which a sequence takes a new block, one
+        entry per block, in order: step j schedules ``length + j - 1`` tokens."""
+        block_size = self.block_manager.block_size
+        grows = []
+        for seq, length in zip(seqs, lengths):
+            first = len(seq.block_table) * block_size - length + 2  # (holds length + j - 1)
+            if first < 1:  # (blocks held ahead)
+                first += -(-(1 - first) // block_size) * block_size
+            grows.extend(range(first, steps + 1, block_size))
+        grows.sort()
+        return grows
 
     def _resolve(self, pending: PendingStep, next_out) -> tuple[list[Sequence], list[Sequence]]:
         """Resolve a step's tokens: the sequences that got one, and those that ended with it."""
