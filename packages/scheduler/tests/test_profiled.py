@@ -378,9 +378,7 @@ def test_nano_sim_checks_the_model_against_the_profile(profile_file, tmp_path):
 
 
 @pytest.mark.parametrize("num_blocks", [20_000, 400])
-def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(
-    monkeypatch, num_blocks
-):
+def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monkeypatch, num_blocks):
     """The fast path (runs of decode steps across block boundaries, the scheduler called
     once after) gives what stepping through the scheduler gives, within the context's growth
     over a block's worth of steps: in a roomy pool, and in one so tight that sequences are
