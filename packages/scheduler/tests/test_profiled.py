@@ -588,6 +588,32 @@ def test_an_engine_in_its_own_process_computes_beside_the_event_loop():
     assert received == [(7, pytest.approx(0.0025 + 1e-4))]
 
 
+def test_the_event_loop_accepts_one_connection_an_iteration():
+    """uvloop's poll accepts one new connection an iteration, and a request is handled two
+    iterations after its connection is accepted: with passes over the streams filling the
+    iterations back to back (outputs published faster than a pass takes), one request gets in
+    a pass and the rest wait, though the work of handling them is small; without the passes,
+    each is handled when it comes."""
+    costs = ServerCosts(1e-4, 0.0, ((1, 1e-4), (100, 9e-3)), own_process=True)
+    host = ServerHost(costs, lambda *a: None)
+    for i in range(500):  # (one every 2 ms)
+        host.send(i * 2e-3, i, 10)
+    for k in range(200):  # (100 streams every 5 ms, a pass of 9 ms each time)
+        host.publish(k * 5e-3, [(seq, False) for seq in range(100)])
+    accepted = host.accepted(1.0)
+    assert [position for _, position in accepted] == list(range(len(accepted)))
+    assert len(accepted) == pytest.approx(1.0 / (9e-3 + 1e-4), abs=5)
+    # (the first waits for the pass the first output woke: 9 ms, then its handling)
+    assert accepted[0][0] == pytest.approx(9e-3 + 1e-4)
+    assert accepted[-1][0] - accepted[-1][1] * 2e-3 > 0.5  # (the queue grew all along)
+    calm = ServerHost(costs, lambda *a: None)
+    for i in range(500):
+        calm.send(i * 2e-3, i, 10)
+    assert [when for when, _ in calm.accepted(1.0)] == [
+        pytest.approx(i * 2e-3 + 1e-4) for i in range(500)
+    ]
+
+
 def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     from nano_scheduler.sim.profile import _checksum
 

@@ -6,10 +6,15 @@ device, or idles). A host turns requests sent into requests accepted (``send``, 
 and outputs published into outputs received (``publish``, the ``receive`` callback).
 
 ``OfflineHost`` is the Python API: nothing else runs; a request is accepted when sent, an output
-received when published. ``ServerHost`` models the server's event loop thread as work taken in
-arrival order: each request's handling (parsing, validation, submission), and passes over
-the streams with new outputs (one pass takes every output published by the time it starts,
-so a loop that fell behind sends merged deltas, as the server does). Beside that work, a
+received when published. ``ServerHost`` models the server's event loop thread (uvicorn on
+uvloop) iteration by iteration: each iteration runs the callbacks the previous one queued (the
+handling of requests: parsing, validation, submission; passes over the streams that outputs
+woke, a stream woken twice sending one merged chunk), then polls, where libuv accepts one new
+connection at most (a streaming client holds a connection per request, so each request comes
+on a new one): a request is read the iteration after its connection is accepted and handled
+the one after that. While passes over many streams fill the iterations, connections wait to
+be accepted (measured: new requests waited 150-600 ms on an H200 whose front was 95-97% busy;
+a model that took each request in arrival order predicted 15 ms). Beside that work, a
 request validated takes a while more to reach the engine (``ServerCosts.hop``), and a pass
 begins with the outputs' relay (unpacked and handed to their streams) before its first
 chunk is written (``ServerCosts.relay``). With the engine in the
@@ -135,9 +140,8 @@ class ServerCosts:
 
 
 class ServerHost:
-    """The event loop does each piece of work as soon as it has arrived and the previous one
-    is done (it has the lock first), so its timeline is a queue's; the loop thread computes
-    only while the event loop has nothing to do."""
+    """The event loop's iterations follow one another while they have work (it has the lock
+    first); the loop thread computes only while the event loop has nothing to do."""
 
     def __init__(self, costs: ServerCosts, receive: Receive) -> None:
         self.costs, self.receive = costs, receive
@@ -147,6 +151,13 @@ class ServerHost:
         self._accepted: deque[tuple[float, int]] = deque()  # (when the engine has it, position)
         self._first = True
         self._handed = 0.0  # when the last request handled reaches the engine
+        # The callbacks the event loop's last iteration queued for its next: the requests
+        # whose connection it accepted (their bytes read next) and whose bytes it read
+        # (handled next), as (position, prompt tokens); the streams it woke (seq_id ->
+        # finished), passed over next.
+        self._to_read: list[tuple[int, int]] = []
+        self._to_handle: list[tuple[int, int]] = []
+        self._to_pass: dict[int, bool] = {}
         self._next = math.inf  # when the event loop starts its next piece of work
         self._computing = False  # the loop thread has work to do (in ``cpu``)
 
@@ -226,15 +237,22 @@ class ServerHost:
     # ---- the event loop ----------------------------------------------------------------------
 
     def _next_start(self) -> float:
-        """When the event loop starts its next piece of work (inf: none has been handed)."""
+        """When the event loop starts its next iteration (inf: nothing to do, nothing on its
+        way)."""
+        if self._to_read or self._to_handle or self._to_pass:
+            return self.busy_until
         r, p = self._requests, self._publications
         arrival = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
         return max(arrival, self.busy_until)
 
     def _run(self, t: float) -> None:
-        """Start every piece of work that starts by ``t``: a request's handling (it is
-        accepted at its end), or a pass over every stream published to by then, each
-        stream's chunk sent in turn."""
+        """Run every iteration that starts by ``t``. An iteration runs the callbacks the
+        previous one queued: the handling of the requests whose bytes it read (each accepted
+        at its end, on its way to the engine), then a pass over the streams it woke, each
+        stream's chunk sent in turn; then it polls: one new connection accepted (its bytes
+        read by the next iteration, its request handled by the one after), the outputs
+        published by its start taken (their streams woken for the next iteration; a stream
+        woken twice sends one merged chunk)."""
         if t < self._next:
             return
         r, p, c = self._requests, self._publications, self.costs
@@ -242,27 +260,34 @@ class ServerHost:
             start = self._next = self._next_start()
             if start > t:
                 return
-            if r and (not p or r[0][0] <= p[0][0]) and r[0][0] <= start:
-                _, position, tokens = r.popleft()
-                work = c.request + c.prompt_token * tokens
+            work = 0.0
+            for position, tokens in self._to_handle:
+                cost = c.request + c.prompt_token * tokens
                 if self._computing:
-                    work *= 1.0 + c.busy
+                    cost *= 1.0 + c.busy
                 if self._first:
-                    work += c.first_request
+                    cost += c.first_request
                     self._first = False
-                self.busy_until = start + work
+                work += cost
                 # (one pipe: requests reach the engine in order)
-                self._handed = max(self._handed, self.busy_until + c.hop + c.hop_token * tokens)
+                self._handed = max(self._handed, start + work + c.hop + c.hop_token * tokens)
                 self._accepted.append((self._handed, position))
-                continue
-            streams: dict[int, bool] = {}
+            streams = self._to_pass
+            if streams:
+                total = c.pass_seconds(len(streams))
+                each = total * (1.0 - c.relay) / len(streams)
+                when = start + work + c.latency + total * c.relay
+                for seq_id, finished in streams.items():
+                    when += each
+                    self.receive(seq_id, when, finished)
+                work += total
+            self.busy_until = start + work
+            self._to_handle, self._to_read = self._to_read, []
+            if r and r[0][0] <= start:
+                _, position, tokens = r.popleft()
+                self._to_read.append((position, tokens))
+            streams = {}
             while p and p[0][0] <= start:
                 for seq_id, finished in p.popleft()[1]:
                     streams[seq_id] = streams.get(seq_id, False) or finished
-            total = c.pass_seconds(len(streams))
-            each = total * (1.0 - c.relay) / len(streams)
-            when = start + c.latency + total * c.relay
-            for seq_id, finished in streams.items():
-                when += each
-                self.receive(seq_id, when, finished)
-            self.busy_until = start + total
+            self._to_pass = streams
