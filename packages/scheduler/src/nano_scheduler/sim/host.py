@@ -54,6 +54,10 @@ class OfflineHost:
         """Whether a request is accepted by ``t`` (and not taken yet)."""
         return bool(self._accepted) and self._accepted[0][0] <= t
 
+    def quiet_until(self) -> float:
+        """No request is accepted before this time (inf: none is on its way)."""
+        return self._accepted[0][0] if self._accepted else math.inf
+
     def accepted(self, t: float) -> list[tuple[float, int]]:
         """The requests accepted by ``t`` (each once), in order: (when, position)."""
         out = []
@@ -153,11 +157,12 @@ class ServerHost:
         self._handed = 0.0  # when the last request handled reaches the engine
         # The callbacks the event loop's last iteration queued for its next: the requests
         # whose connection it accepted (their bytes read next) and whose bytes it read
-        # (handled next), as (position, prompt tokens); the streams it woke (seq_id ->
+        # (handled next), as (position, prompt tokens); the streams it woke (seq_id,
         # finished), passed over next.
         self._to_read: list[tuple[int, int]] = []
         self._to_handle: list[tuple[int, int]] = []
-        self._to_pass: dict[int, bool] = {}
+        self._to_pass: list[tuple[int, bool]] = []
+        self._passes: dict[int, float] = {}
         self._next = math.inf  # when the event loop starts its next piece of work
         self._computing = False  # the loop thread has work to do (in ``cpu``)
 
@@ -180,6 +185,14 @@ class ServerHost:
     def accepted_by(self, t: float) -> bool:
         self._run(t)
         return bool(self._accepted) and self._accepted[0][0] <= t
+
+    def quiet_until(self) -> float:
+        """No request is accepted before this time: the next one's arrival at the front,
+        where none is further on its way (its outputs may be passed over later: the event
+        loop's timeline does not depend on when it is run)."""
+        if self._accepted or self._to_read or self._to_handle:
+            return self._accepted[0][0] if self._accepted else self.busy_until
+        return self._requests[0][0] if self._requests else math.inf
 
     def accepted(self, t: float) -> list[tuple[float, int]]:
         self._run(t)
@@ -255,13 +268,24 @@ class ServerHost:
         woken twice sends one merged chunk)."""
         if t < self._next:
             return
-        r, p, c = self._requests, self._publications, self.costs
+        r, p, c, receive = self._requests, self._publications, self.costs, self.receive
+        passes = self._passes  # (a pass's cost by its streams, as asked)
+        to_read, to_handle, to_pass = self._to_read, self._to_handle, self._to_pass
+        busy = self.busy_until
         while True:
-            start = self._next = self._next_start()
+            if to_read or to_handle or to_pass:
+                start = busy
+            else:  # (idle until something comes)
+                start = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
+                start = max(start, busy)
+                if start > t:
+                    break
+                if not (r and r[0][0] <= start):  # outputs alone: the poll that takes them
+                    to_pass = _woken(p, start)  # (an iteration of nothing else)
             if start > t:
-                return
+                break
             work = 0.0
-            for position, tokens in self._to_handle:
+            for position, tokens in to_handle:
                 cost = c.request + c.prompt_token * tokens
                 if self._computing:
                     cost *= 1.0 + c.busy
@@ -272,22 +296,37 @@ class ServerHost:
                 # (one pipe: requests reach the engine in order)
                 self._handed = max(self._handed, start + work + c.hop + c.hop_token * tokens)
                 self._accepted.append((self._handed, position))
-            streams = self._to_pass
-            if streams:
-                total = c.pass_seconds(len(streams))
-                each = total * (1.0 - c.relay) / len(streams)
+            if to_pass:
+                total = passes.get(len(to_pass))
+                if total is None:
+                    total = passes[len(to_pass)] = c.pass_seconds(len(to_pass))
+                each = total * (1.0 - c.relay) / len(to_pass)
                 when = start + work + c.latency + total * c.relay
-                for seq_id, finished in streams.items():
+                for seq_id, finished in to_pass:
                     when += each
-                    self.receive(seq_id, when, finished)
+                    receive(seq_id, when, finished)
                 work += total
-            self.busy_until = start + work
-            self._to_handle, self._to_read = self._to_read, []
+            busy = start + work
+            to_handle, to_read = to_read, []
             if r and r[0][0] <= start:
                 _, position, tokens = r.popleft()
-                self._to_read.append((position, tokens))
-            streams = {}
-            while p and p[0][0] <= start:
-                for seq_id, finished in p.popleft()[1]:
-                    streams[seq_id] = streams.get(seq_id, False) or finished
-            self._to_pass = streams
+                to_read.append((position, tokens))
+            to_pass = _woken(p, start)
+        self._to_read, self._to_handle, self._to_pass = to_read, to_handle, to_pass
+        self.busy_until, self._next = busy, start
+
+
+def _woken(publications: deque, start: float) -> list[tuple[int, bool]]:
+    """The streams of the outputs published by ``start`` (taken from ``publications``), as
+    (seq_id, finished): each once, finished if any of its outputs was the last."""
+    woken: list[tuple[int, bool]] = []
+    while publications and publications[0][0] <= start:
+        streams = publications.popleft()[1]
+        if woken:  # (outputs of several steps: a stream's merged)
+            merged = dict(woken)
+            for seq_id, finished in streams:
+                merged[seq_id] = merged.get(seq_id, False) or finished
+            woken = list(merged.items())
+        else:
+            woken = streams
+    return woken

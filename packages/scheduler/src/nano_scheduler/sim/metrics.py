@@ -118,6 +118,24 @@ class Timeline:
         self.running.append(running)
         self.waiting.append(waiting)
 
+    def record_run(
+        self,
+        times: list[float],
+        kv_usage: list[float],
+        batch_size: int,
+        num_tokens: int,
+        running: int,
+        waiting: int,
+    ) -> None:
+        """Rows of steps alike but for their end times and KV usage (a run of decodes)."""
+        n = len(times)
+        self.time.extend(times)
+        self.batch_size.extend([batch_size] * n)
+        self.num_tokens.extend([num_tokens] * n)
+        self.kv_usage.extend(kv_usage)
+        self.running.extend([running] * n)
+        self.waiting.extend([waiting] * n)
+
     def sampled(self, max_points: int = 2000) -> dict[str, list]:
         stride = max(1, math.ceil(len(self.time) / max_points))
         return {

@@ -263,18 +263,16 @@ class Simulator:
         post, publish = cost.resolve_cost(n, 0, n)
         streams = [(seq.seq_id, False) for seq in seqs]
         used, num_blocks = bm.num_used_blocks, bm.num_blocks
-        cpu, free, publish_to, record, accepted_by = (
-            host.cpu,
-            host.free,
-            self._publish,
-            timeline.record,
-            host.accepted_by,
-        )
+        cpu, free, accepted_by = host.cpu, host.free, host.accepted_by
+        quiet = host.quiet_until()  # (no request comes in before: none to look for)
+        publish_to = host.publish if self.on_publish is None else self._publish
         horizon = self.horizon
         done = grown = 0
+        times: list[float] = []  # (the timeline's rows of the run's steps)
+        usages: list[float] = []
         while done < steps:
-            if done and (accepted_by(t) or t >= horizon):  # (a request may come in here)
-                break
+            if done and ((t >= quiet and accepted_by(t)) or t >= horizon):
+                break  # (a request may come in here)
             if not done % block_size:
                 batch = BatchShape([], [length + done for length in lengths], n, n, 0)
                 step, eager = cost.step_cost(batch), cost.is_eager(batch)
@@ -295,8 +293,10 @@ class Simulator:
             done += 1
             while grown < len(grows) and grows[grown] <= done:
                 grown += 1
-            record(t, n, n, (used + grown) / num_blocks, n, 0)
+            times.append(t)
+            usages.append((used + grown) / num_blocks)
             t = cpu(t, between)
+        timeline.record_run(times, usages, n, n, n, 0)
         # The scheduler's state after those steps: the placeholder of the step that was in
         # flight and done - 1 more tokens known, the blocks that hold them (those filled
         # shared, as the steps' scheduling and resolving left them), the last step's token
