@@ -68,12 +68,15 @@ def test_the_profile_holds_the_engine_and_what_was_measured(profile):
     assert costs.pass_seconds(1) > 0 and costs.latency >= 0
     assert costs.own_process and costs.busy == 0 and not model._host.cpu
     # The way in beyond the front's handling: fitted on the calmest workload's ways in (the
-    # profile says which they are), a part of their typical one.
+    # profile says which they are), a part of their typical one at their own prompts' sizes
+    # (on a loaded CPU the fit may put it all on the tokens).
     from nano_scheduler.sim.profiled import _calmest
 
-    calm = sorted(seconds for _, seconds in _calmest(p.server)[0])
+    calm = _calmest(p.server)[0]
     assert len(calm) >= 10
-    assert costs.hop + 100 * costs.hop_token < calm[len(calm) // 2]
+    hops = sorted(costs.hop + costs.hop_token * tokens for tokens, _ in calm)
+    ways = sorted(seconds for _, seconds in calm)
+    assert hops[len(hops) // 2] < ways[len(ways) // 2]
 
 
 def test_nano_sim_predicts_from_it(profile, tmp_path):
