@@ -26,6 +26,7 @@ from profile_helpers import (
 
 from nano_scheduler import SchedulerConfig, cuda_graph_sizes, piecewise_graph_sizes
 from nano_scheduler.sim import BatchShape, DeviceOnlyModel, Request, Simulator
+from nano_scheduler.sim.cost_model import StepCost
 from nano_scheduler.sim.fit import Piecewise, increasing, nnlad, nnls
 from nano_scheduler.sim.host import ServerCosts, ServerHost
 from nano_scheduler.sim.metrics import summarize
@@ -437,6 +438,88 @@ def test_steady_decode_runs_simulated_without_the_scheduler_match_the_loop(monke
     if num_blocks < 1000:
         assert fast_bm.evictions == pytest.approx(slow_bm.evictions, rel=0.1)
         assert slow_bm.evictions > 0
+
+
+class _ContextCost:
+    """Step costs that grow with the decodes' contexts (``per_token`` seconds a token of
+    context) or not at all (0): with 0 the fast path must give what stepping gives, exactly."""
+
+    synchronous = False
+
+    def __init__(self, per_token: float = 0.0) -> None:
+        self.per_token = per_token
+
+    def step_cost(self, batch: BatchShape) -> StepCost:
+        forward = 5e-3 + 1e-5 * len(batch.decodes) + self.per_token * sum(batch.decodes)
+        return StepCost(1e-4, 1e-4, forward, 1e-4, 1e-4, 2e-4)
+
+    def resolve_cost(self, resolved: int, finished: int, outputs: int) -> tuple[float, float]:
+        return 1e-5 * resolved, 1e-5 * outputs
+
+    def is_eager(self, batch: BatchShape) -> bool:
+        return False
+
+    def intake_cost(self, prompt_tokens: int) -> float:
+        return 1e-5
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_steady_decode_runs_leave_the_block_manager_as_stepping_does(block_size):
+    """Step costs that do not depend on the contexts: the fast path's results equal
+    stepping's exactly, and so do the block manager's (blocks taken, shared, evicted, keyed),
+    also where prompts repeat and the pool is so tight that a run's new blocks evict cached
+    ones whose keys the blocks it fills take over (the run's calls replayed in the loop's
+    order)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(8, 40))] for _ in range(3)]
+    requests, t = [], 0.0
+    for _ in range(40):
+        t += rng.expovariate(20)
+        prompt = rng.choice(prompts)
+        requests.append(Request(t, len(prompt), rng.randint(10, 200), prompt_token_ids=prompt))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+
+    def simulate(fast: bool):
+        sim = Simulator(
+            requests,
+            _ContextCost(),
+            config,
+            num_blocks=60 * 16 // block_size,
+            block_size=block_size,
+        )
+        if not fast:
+            sim._steady_decodes = lambda *a: None
+        result = sim.run()
+        bm = sim.block_manager
+        return (
+            result.summary(),
+            [sorted(vars(r).items()) for r in result.requests],
+            list(result.timeline.time),
+            list(result.timeline.kv_usage),
+            bm.stats(),
+            len(bm.hash_to_block),
+            result.num_steps,
+        )
+
+    fast, slow = simulate(True), simulate(False)
+    assert fast[4].evictions > 0 and fast[4].hit_rate > 0  # (evicted, shared)
+    for a, b in zip(fast, slow):
+        assert a == b
+
+
+def test_a_steady_decode_run_takes_its_step_cost_again_as_the_contexts_grow():
+    """One long decode alone, its step's cost growing with its context: the fast path, which
+    takes the cost again every block's worth of steps, ends within 0.2% of stepping."""
+    requests = [Request(0.0, 100, 3000)]
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=4096)
+
+    def duration(fast: bool) -> float:
+        sim = Simulator(requests, _ContextCost(1e-6), config, num_blocks=1000)
+        if not fast:
+            sim._steady_decodes = lambda *a: None
+        return sim.run().summary()["duration_s"]
+
+    assert duration(True) == pytest.approx(duration(False), rel=2e-3)
 
 
 def test_an_eager_launchs_drawn_spread_keeps_the_fitted_mean():

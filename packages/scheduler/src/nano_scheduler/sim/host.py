@@ -278,7 +278,7 @@ class ServerHost:
             else:  # (idle until something comes)
                 start = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
                 start = max(start, busy)
-                if start > t:
+                if start > t or start == math.inf:  # (nothing will come: done, even at inf)
                     break
                 if not (r and r[0][0] <= start):  # outputs alone: the poll that takes them
                     to_pass = _woken(p, start)  # (an iteration of nothing else)

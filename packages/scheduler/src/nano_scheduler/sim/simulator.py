@@ -298,17 +298,14 @@ class Simulator:
             t = cpu(t, between)
         timeline.record_run(times, usages, n, n, n, 0)
         # The scheduler's state after those steps: the placeholder of the step that was in
-        # flight and done - 1 more tokens known, the blocks that hold them (those filled
-        # shared, as the steps' scheduling and resolving left them), the last step's token
-        # in flight.
+        # flight and done - 1 more tokens known, the blocks that hold them as the steps'
+        # scheduling and resolving left them, the last step's token in flight.
         self.now = t
+        self._replay_blocks(seqs, lengths, done)
         slots = []
-        for row, seq in enumerate(seqs):
+        for row, (seq, length) in enumerate(zip(seqs, lengths)):
             tokens = seq.token_ids
-            tokens[-1] = _SAMPLED_TOKEN
-            tokens.extend([_SAMPLED_TOKEN] * (done - 1))
-            bm.may_append(seq)
-            bm.commit(seq, len(tokens))
+            tokens[length - 1 :] = array("q", [_SAMPLED_TOKEN]) * done
             seq.num_computed_tokens = len(tokens)
             tokens.append(PENDING_TOKEN)
             slots.append((row, seq, len(tokens) - 1))
@@ -317,16 +314,43 @@ class Simulator:
 
     def _block_steps(self, seqs: list[Sequence], lengths: list[int], steps: int) -> list[int]:
         """The steps of a run (1 to ``steps``) at which a sequence takes a new block, one
-        entry per block, in order: step j schedules ``length + j - 1`` tokens."""
+        entry per block, in order: step j schedules ``length + j - 1`` tokens (its table
+        holds the step in flight's: the first new block comes at step 1 to block_size)."""
         block_size = self.block_manager.block_size
         grows = []
         for seq, length in zip(seqs, lengths):
-            first = len(seq.block_table) * block_size - length + 2  # (holds length + j - 1)
-            if first < 1:  # (blocks held ahead)
-                first += -(-(1 - first) // block_size) * block_size
+            first = len(seq.block_table) * block_size - length + 2
             grows.extend(range(first, steps + 1, block_size))
         grows.sort()
         return grows
+
+    def _replay_blocks(self, seqs: list[Sequence], lengths: list[int], done: int) -> None:
+        """The block manager's calls of a run's ``done`` steps, in the loop's order (taking a
+        block may evict a cached one, whose key a block filled in the run may take over):
+        iteration j schedules step j (a sequence whose ``length + j - 1`` tokens, the last a
+        placeholder, pass its table takes a block), then resolves step j - 1 (a block that
+        its token filled is shared, step j writing past it)."""
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        events = []  # (step, 0: a block taken / 1: a block shared, row)
+        for row, (seq, length) in enumerate(zip(seqs, lengths)):
+            first = len(seq.block_table) * block_size - length + 2
+            events.extend((j, 0, row) for j in range(first, done + 1, block_size))
+            if bm.enable_prefix_caching:  # (step j's token length + j - 1 ends a block)
+                filled = (1 - length) % block_size or block_size
+                events.extend((j, 1, row) for j in range(filled, done + 1, block_size))
+        events.sort()
+        for j, shared, row in events:
+            seq, tokens = seqs[row], seqs[row].token_ids
+            n = lengths[row] + j - 1  # (the tokens step j schedules)
+            known = len(tokens) - (tokens[-1] == PENDING_TOKEN)
+            if known < n:
+                tokens[known:] = array("q", [_SAMPLED_TOKEN]) * (n - known)
+            if shared:
+                bm.commit(seq, n)
+            else:
+                tokens[n - 1] = PENDING_TOKEN  # (still being sampled when step j is scheduled)
+                bm.may_append(seq)
+                tokens[n - 1] = _SAMPLED_TOKEN
 
     def _resolve(self, pending: PendingStep, next_out) -> tuple[list[Sequence], list[Sequence]]:
         """Resolve a step's tokens: the sequences that got one, and those that ended with it."""
