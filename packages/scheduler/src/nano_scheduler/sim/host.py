@@ -262,10 +262,11 @@ class ServerHost:
         """Run every iteration that starts by ``t``. An iteration runs the callbacks the
         previous one queued: the handling of the requests whose bytes it read (each accepted
         at its end, on its way to the engine), then a pass over the streams it woke, each
-        stream's chunk sent in turn; then it polls: one new connection accepted (its bytes
-        read by the next iteration, its request handled by the one after), the outputs
-        published by its start taken (their streams woken for the next iteration; a stream
-        woken twice sends one merged chunk)."""
+        stream's chunk sent in turn; then it polls (libuv's order): one new connection that
+        has come by then accepted (its bytes read by the next iteration, its request handled
+        by the one after), the outputs published by then taken (their streams woken for the
+        next iteration, the callback that wakes them folded into it; a stream woken twice
+        sends one merged chunk)."""
         if t < self._next:
             return
         r, p, c, receive = self._requests, self._publications, self.costs, self.receive
@@ -306,12 +307,12 @@ class ServerHost:
                     when += each
                     receive(seq_id, when, finished)
                 work += total
-            busy = start + work
+            busy = start + work  # (the poll, after the callbacks)
             to_handle, to_read = to_read, []
-            if r and r[0][0] <= start:
+            if r and r[0][0] <= busy:
                 _, position, tokens = r.popleft()
                 to_read.append((position, tokens))
-            to_pass = _woken(p, start)
+            to_pass = _woken(p, busy)
         self._to_read, self._to_handle, self._to_pass = to_read, to_handle, to_pass
         self.busy_until, self._next = busy, start
 
