@@ -110,15 +110,8 @@ class ServerCosts:
     def __post_init__(self) -> None:
         if not 0.0 <= self.relay <= 1.0:
             raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
-        for name in (
-            "request",
-            "prompt_token",
-            "latency",
-            "first_request",
-            "busy",
-            "hop",
-            "hop_token",
-        ):
+        names = ("request", "prompt_token", "latency", "first_request", "busy", "hop")
+        for name in (*names, "hop_token"):
             if not getattr(self, name) >= 0:  # (NaN too)
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -169,8 +162,9 @@ class ServerHost:
     # ---- what the simulator calls ------------------------------------------------------------
 
     def send(self, t: float, position: int, prompt_tokens: int) -> None:
-        self._requests.append((t + self.costs.latency, position, prompt_tokens))
-        self._next = self._next_start()
+        arrival = t + self.costs.latency
+        self._requests.append((arrival, position, prompt_tokens))
+        self._next = min(self._next, max(arrival, self.busy_until))
 
     def next_accept(self, t: float) -> float:
         """When the next request is accepted, at the earliest ``t`` (inf: none is on its
@@ -249,15 +243,6 @@ class ServerHost:
 
     # ---- the event loop ----------------------------------------------------------------------
 
-    def _next_start(self) -> float:
-        """When the event loop starts its next iteration (inf: nothing to do, nothing on its
-        way)."""
-        if self._to_read or self._to_handle or self._to_pass:
-            return self.busy_until
-        r, p = self._requests, self._publications
-        arrival = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
-        return max(arrival, self.busy_until)
-
     def _run(self, t: float) -> None:
         """Run every iteration that starts by ``t``. An iteration runs the callbacks the
         previous one queued: the handling of the requests whose bytes it read (each accepted
@@ -276,6 +261,8 @@ class ServerHost:
         while True:
             if to_read or to_handle or to_pass:
                 start = busy
+                if start > t:
+                    break
             else:  # (idle until something comes)
                 start = min(r[0][0] if r else math.inf, p[0][0] if p else math.inf)
                 start = max(start, busy)
@@ -283,8 +270,6 @@ class ServerHost:
                     break
                 if not (r and r[0][0] <= start):  # outputs alone: the poll that takes them
                     to_pass = _woken(p, start)  # (an iteration of nothing else)
-            if start > t:
-                break
             work = 0.0
             for position, tokens in to_handle:
                 cost = c.request + c.prompt_token * tokens

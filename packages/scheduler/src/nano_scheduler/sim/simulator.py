@@ -256,7 +256,7 @@ class Simulator:
         bm = self.block_manager
         grows = self._block_steps(seqs, lengths, steps)
         if len(grows) > bm.num_free_blocks:  # (the step that would run out preempts)
-            steps = min(steps, grows[bm.num_free_blocks] - 1)
+            steps = min(steps, grows[bm.num_free_blocks][0] - 1)
             if steps < 2:
                 return None
         cost, n, block_size = self.cost_model, len(seqs), bm.block_size
@@ -291,7 +291,7 @@ class Simulator:
             t = cpu(t, publish)
             publish_to(t, streams)
             done += 1
-            while grown < len(grows) and grows[grown] <= done:
+            while grown < len(grows) and grows[grown][0] <= done:
                 grown += 1
             times.append(t)
             usages.append((used + grown) / num_blocks)
@@ -301,7 +301,7 @@ class Simulator:
         # flight and done - 1 more tokens known, the blocks that hold them as the steps'
         # scheduling and resolving left them, the last step's token in flight.
         self.now = t
-        self._replay_blocks(seqs, lengths, done)
+        self._replay_blocks(seqs, lengths, done, grows)
         slots = []
         for row, (seq, length) in enumerate(zip(seqs, lengths)):
             tokens = seq.token_ids
@@ -312,33 +312,37 @@ class Simulator:
         advanced = PendingStep(SchedulerOutput(decodes=list(seqs), num_batched_tokens=n), slots, [])
         return t, device_free, (advanced, device_end), done
 
-    def _block_steps(self, seqs: list[Sequence], lengths: list[int], steps: int) -> list[int]:
-        """The steps of a run (1 to ``steps``) at which a sequence takes a new block, one
-        entry per block, in order: step j schedules ``length + j - 1`` tokens (its table
-        holds the step in flight's: the first new block comes at step 1 to block_size)."""
+    def _block_steps(
+        self, seqs: list[Sequence], lengths: list[int], steps: int
+    ) -> list[tuple[int, int]]:
+        """The steps of a run (1 to ``steps``) at which a sequence takes a new block, as
+        (step, row), one per block, in order: step j schedules ``length + j - 1`` tokens (its
+        table holds the step in flight's: the first new block comes at step 1 to
+        block_size)."""
         block_size = self.block_manager.block_size
         grows = []
-        for seq, length in zip(seqs, lengths):
+        for row, (seq, length) in enumerate(zip(seqs, lengths)):
             first = len(seq.block_table) * block_size - length + 2
-            grows.extend(range(first, steps + 1, block_size))
+            grows.extend((j, row) for j in range(first, steps + 1, block_size))
         grows.sort()
         return grows
 
-    def _replay_blocks(self, seqs: list[Sequence], lengths: list[int], done: int) -> None:
+    def _replay_blocks(
+        self, seqs: list[Sequence], lengths: list[int], done: int, grows: list[tuple[int, int]]
+    ) -> None:
         """The block manager's calls of a run's ``done`` steps, in the loop's order (taking a
         block may evict a cached one, whose key a block filled in the run may take over):
         iteration j schedules step j (a sequence whose ``length + j - 1`` tokens, the last a
-        placeholder, pass its table takes a block), then resolves step j - 1 (a block that
-        its token filled is shared, step j writing past it)."""
+        placeholder, pass its table takes a block: ``grows``), then resolves step j - 1 (a
+        block that its token filled is shared, step j writing past it)."""
         bm, block_size = self.block_manager, self.block_manager.block_size
-        events = []  # (step, 0: a block taken / 1: a block shared, row)
-        for row, (seq, length) in enumerate(zip(seqs, lengths)):
-            first = len(seq.block_table) * block_size - length + 2
-            events.extend((j, 0, row) for j in range(first, done + 1, block_size))
-            if bm.enable_prefix_caching:  # (step j's token length + j - 1 ends a block)
+        # (step, 0: a block taken / 1: a block shared, row)
+        events = [(j, 0, row) for j, row in grows if j <= done]
+        if bm.enable_prefix_caching:  # (step j's token length + j - 1 ends a block)
+            for row, length in enumerate(lengths):
                 filled = (1 - length) % block_size or block_size
                 events.extend((j, 1, row) for j in range(filled, done + 1, block_size))
-        events.sort()
+            events.sort()
         for j, shared, row in events:
             seq, tokens = seqs[row], seqs[row].token_ids
             n = lengths[row] + j - 1  # (the tokens step j schedules)
