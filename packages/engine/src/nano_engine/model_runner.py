@@ -218,6 +218,8 @@ class ModelRunner:
         except BaseException:  # (a graph that captured a collective holds NCCL's destroy)
             self.release_graphs()
             raise
+        if device.type == "cuda":
+            self._warm_up_logits()
 
     def _capture_graphs(self) -> None:
         config, device = self.config, self.device
@@ -340,6 +342,31 @@ class ModelRunner:
             table = list(range(-(-length // self.block_size)))
             for n in (length, length - 1):
                 self.execute(StepInput([0] * n, [n], [length], [table], 1, [n - 1]))
+
+    @torch.inference_mode()
+    def _warm_up_logits(self) -> None:
+        """Take the LM head's product once at every row count a step outside a decode graph
+        can sample (1 to max_num_seqs), before serving. cuBLAS settles a shape's kernel at its
+        first call and that call waits for the device to be idle: 3 ms on an idle H200, 32 ms
+        behind 25 ms of queued work (``benchmarks/bench_first_product.py``). In mid-serving it stalled
+        the loop 20-33 ms at each new largest batch of a mixed step, 9-13 times a saturated run;
+        the warm-up takes ~0.1 s. Another thread's warm-up counts (the loop's is another)."""
+        hidden = torch.zeros(
+            self.config.max_num_seqs,
+            self.model_config.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        start = time.perf_counter()
+        for rows in range(1, len(hidden) + 1):
+            self.model.logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "rank %d: LM head warmed at 1..%d rows in %.2f s",
+            self.tp.rank,
+            len(hidden),
+            time.perf_counter() - start,
+        )
 
     def close(self) -> None:
         """Free the device memory: graphs, KV cache, weights. The graphs go first and at once
