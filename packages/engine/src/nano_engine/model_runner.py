@@ -348,9 +348,10 @@ class ModelRunner:
         """Take the LM head's product once at every row count a step outside a decode graph
         can sample (1 to max_num_seqs), before serving. cuBLAS settles a shape's kernel at its
         first call and that call waits for the device to be idle: 3 ms on an idle H200, 32 ms
-        behind 25 ms of queued work (``benchmarks/bench_first_product.py``). In mid-serving it stalled
-        the loop 20-33 ms at each new largest batch of a mixed step, 9-13 times a saturated run;
-        the warm-up takes ~0.1 s. Another thread's warm-up counts (the loop's is another)."""
+        behind 25 ms of queued work (``benchmarks/bench_first_product.py``). In mid-serving it
+        stalled the loop 20-33 ms at each new largest batch of a mixed step, 9-13 times a
+        saturated run; the warm-up takes ~0.1 s. Another thread's warm-up counts (the loop's
+        is another)."""
         hidden = torch.zeros(
             self.config.max_num_seqs,
             self.model_config.hidden_size,
