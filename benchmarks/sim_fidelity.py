@@ -218,6 +218,7 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         "rows": compare(runs, sim),
         "relay": relay,
         "host_ratio": [host_ratio(profile, d / "steps.jsonl") for d in dirs],
+        "device_ratio": [device_ratio(profile, d / "steps.jsonl") for d in dirs],
         "clients": [
             {"cpu_share": r["client_cpu_share"], "late_max_s": r["client_lateness_s"]["max"]}
             for r in runs
@@ -253,6 +254,34 @@ def host_ratio(profile: Path, step_log: Path) -> float:
     slows down, another machine), and no prediction from that profile can match the run."""
     model = ProfiledCostModel(Profile.load(profile), frontend="server")
     return model.host_ratio(read_step_log(step_log).steps)
+
+
+def device_ratio(profile: Path, step_log: Path) -> list[float]:
+    """The device's time in a run over what the profile predicts for the same steps: [decode
+    graphs, steps outside them that the device bounded]. Far from 1, the GPU ran its steps
+    at another speed than the profile measured (its clock: a GPU at its power limit slows
+    under sustained compute)."""
+    model = ProfiledCostModel(Profile.load(profile), frontend="server")
+    return list(model.device_ratio(read_step_log(step_log).steps))
+
+
+def device_note(results: list[dict]) -> str:
+    """One line: each run's device ratios, and a warning where one lies outside 0.9-1.1."""
+    ratios = [(r["scenario"], x) for r in results for x in r.get("device_ratio", [])]
+    if not ratios:
+        return ""
+    text = ", ".join(f"{name} {g:.2f} / {e:.2f}" for name, (g, e) in ratios)
+    note = (
+        "The device's time against the profile's prediction for the run's steps (decode"
+        f" graphs / steps outside them): {text}."
+    )
+    off = [x for _, pair in ratios for x in pair if not math.isnan(x) and not 0.9 <= x <= 1.1]
+    if off:
+        note += (
+            " **Warning**: the device ran at another speed than profiled"
+            f" ({min(off):.2f}-{max(off):.2f}x its time)."
+        )
+    return note
 
 
 def host_note(results: list[dict]) -> str:
@@ -411,9 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides = what_if if name == "what-if" else []
         print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
         results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
-        notes = host_note(results[-1:]) + "\n\n" + client_note(results[-1:])
+        notes = "\n\n".join(note(results[-1:]) for note in (device_note, host_note, client_note))
         print(table(results[-1:]) + "\n\n" + notes, flush=True)
-    text = table(results) + "\n\n" + host_note(results) + "\n\n" + client_note(results)
+    notes = (note(results) for note in (device_note, host_note, client_note))
+    text = table(results) + "\n\n" + "\n\n".join(notes)
     (args.out / "fidelity.md").write_text(text + "\n")
     (args.out / "fidelity.json").write_text(json.dumps(nan_to_none(results), indent=2))
     print("\n" + text)

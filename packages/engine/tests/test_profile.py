@@ -215,7 +215,11 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         # Each run's host speed against the profile's (the CPU machine's is near 1, not far).
         assert len(result["host_ratio"]) == 2
         assert all(0.2 < x < 5 for x in result["host_ratio"])
+        # and its device's (graphs / eager steps; a CPU runs no graph: null, NaN)
+        assert all(len(pair) == 2 for pair in result["device_ratio"])
+        assert all(x is None or 0.2 < x < 5 for pair in result["device_ratio"] for x in pair)
     assert "host time against the profile's prediction" in (out / "fidelity.md").read_text()
+    assert "device's time against the profile's prediction" in (out / "fidelity.md").read_text()
     assert "the busiest one's CPU share" in (out / "fidelity.md").read_text()
     assert all(len(r["clients"]) == 2 for r in results)
     table = (out / "fidelity.md").read_text()

@@ -707,6 +707,24 @@ def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     assert Profile.load(profile_file).server["workloads"][1] == [40, 90, 30, 9000, 0.5]
 
 
+def test_the_device_ratio_of_a_step_log_says_how_fast_its_device_ran():
+    """(graphs, eager steps): 1 on steps like the profile's, 1.3 where the device took 1.3
+    times as long; eager steps whose launch bounded them (the device waited) are left out."""
+    from dataclasses import replace
+
+    model = ProfiledCostModel(synthetic_profile(), frontend="offline")
+    rng = random.Random(12)
+    steps = [replace(host_record(rng, 0.01 * i), launch=1e-5) for i in range(300)]
+    assert sum(r.eager for r in steps) > 50 and sum(not r.eager for r in steps) > 50
+    assert model.device_ratio(steps) == pytest.approx((1.0, 1.0), rel=0.03)
+    slow = [replace(r, forward=1.3 * r.forward) for r in steps]
+    assert model.device_ratio(slow) == pytest.approx((1.3, 1.3), rel=0.03)
+    waited = [replace(r, launch=1.0) if r.eager else r for r in slow]
+    graphs, eager = model.device_ratio(waited)
+    assert graphs == pytest.approx(1.3, rel=0.03) and math.isnan(eager)
+    assert all(math.isnan(x) for x in model.device_ratio([]))
+
+
 def test_the_host_ratio_of_a_step_log_says_how_fast_its_host_ran():
     """1 on steps like the profile's; 2 where each phase took twice as long."""
     from dataclasses import replace
@@ -870,6 +888,34 @@ def test_a_ragged_decode_graph_served_slower_than_the_grid_is_scaled():
     padded = next(s for s in sizes if s >= 24)
     expected = 1.06 * graph_seconds(padded, 24 * 700)
     assert model.forward_time(BatchShape([], [700] * 24, 24)) == pytest.approx(expected, rel=0.03)
+
+
+def test_steps_outside_the_graphs_served_slower_than_the_grid_are_scaled():
+    """Served eager steps that the device bounded take 20% more than the grid's (a GPU at its
+    power limit clocks down under sustained compute; the grid times each shape from idle):
+    the ratio is fitted on them and applied to every eager forward. Steps whose launch took
+    longer than half their grid time (the device waited for the host) say nothing of it."""
+    profile = synthetic_profile()
+    records = profile.host["offline"]
+    for i, r in enumerate(records):
+        r.prefills, r.eager = [[256 + 37 * i % 2048, 0]], True
+        grid = eager_seconds(r.prefills, r.decodes[0], r.decodes[1])
+        r.launch = 0.2 * grid if i % 2 else 2.0 * grid
+        r.forward = (1.2 if i % 2 else 3.0) * grid
+    model = ProfiledCostModel(profile, frontend="offline")
+    assert model._eager_served == pytest.approx(1.2, rel=0.02)
+    batch = BatchShape([(700, 300), (64, 0)], [900] * 12, 14)
+    expected = 1.2 * eager_seconds(batch.prefills, 12, batch.decode_context)
+    assert model.forward_time(batch) == pytest.approx(expected, rel=0.03)
+    # graph decodes keep the grid's time (their own served ratio: none here)
+    graph_batch = BatchShape([], [700] * 24, 24)
+    assert model.forward_time(graph_batch) == pytest.approx(
+        ProfiledCostModel(synthetic_profile(), frontend="offline").forward_time(graph_batch)
+    )
+    # fewer than 20 device-bound eager steps: no scale
+    for r in records[1::2][19:]:
+        r.forward = None
+    assert ProfiledCostModel(profile, frontend="offline")._eager_served == 1.0
 
 
 def test_each_host_phase_sums_to_what_it_was_fitted_to():

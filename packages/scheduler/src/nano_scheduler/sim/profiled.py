@@ -100,6 +100,9 @@ class ProfiledCostModel:
             profile.host.get("server") or profile.host[frontend]
         )
         self._eager = EagerModel(profile.eager, self._piecewise(engine.max_num_batched_tokens))
+        self._eager_served = self._served_eager(
+            profile.host.get("server") or profile.host[frontend]
+        )
         budget = max_num_batched_tokens or engine.max_num_batched_tokens
         self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
         self._sample = Piecewise(profile.sampling[sampling])
@@ -142,7 +145,26 @@ class ProfiledCostModel:
             self._check(
                 "cached tokens before a chunk", max(c for _, c in batch.prefills), eager.max_cached
             )
-        return eager(batch.prefills, n_dec, context)
+        return self._eager_served * eager(batch.prefills, n_dec, context)
+
+    def _served_eager(self, records: list[StepRecord]) -> float:
+        """What a step outside the decode graphs takes when served, over the grid's time of
+        its shape: the geometric mean over the profile's served such steps that the device
+        bounded (launched in less than half the grid's time: the device did not wait for the
+        host), 1 without 20 of them. The grid times each shape from an idle device, at its
+        highest clock; serving runs them back to back, where a GPU at its power limit lowers
+        its clock within tens of milliseconds of sustained compute (an H200 at 700 W: a
+        compute-bound product 1.20-1.25x slower after 90 ms of them, memory-bound work not).
+        On an H200: 1.16 (Qwen3-8B) and 1.21-1.24 (Qwen3-0.6B), where traces replayed apart
+        measured 1.14-1.16 and 1.06-1.22."""
+        logs = []
+        for r in records:
+            if not (r.eager and r.forward and r.num_tokens):
+                continue
+            grid = self._eager(r.prefills, r.decodes[0], r.decodes[1])
+            if grid > 0 and r.launch < 0.5 * grid:
+                logs.append(math.log(r.forward / grid))
+        return math.exp(sum(logs) / len(logs)) if len(logs) >= 20 else 1.0
 
     def _served_graphs(self, records: list[StepRecord]) -> tuple[float, float]:
         """What a decode graph takes when served, beyond the grid's equal batches replayed
@@ -235,6 +257,20 @@ class ProfiledCostModel:
                 sum(r.cpu) if self._host.cpu else sum(getattr(r, phase) for phase in HOST_PHASES)
             )
         return measured / predicted if predicted > 0 else math.nan
+
+    def device_ratio(self, records: list[StepRecord]) -> tuple[float, float]:
+        """The device's time in a step log over what this model predicts for the same steps:
+        (decode graphs, steps outside them that the device bounded), each a geometric mean
+        (1: the device ran as profiled; a GPU whose clock differs, e.g. at its power limit
+        more or less often than the profile saw, reads otherwise); nan where no step fits."""
+        logs: tuple[list, list] = ([], [])
+        for r in records:
+            if not (r.forward and r.num_tokens):
+                continue
+            predicted = self.forward_time(BatchShape.of_record(r))
+            if predicted > 0 and (not r.eager or r.launch < 0.5 * predicted):
+                logs[r.eager].append(math.log(r.forward / predicted))
+        return tuple(math.exp(sum(x) / len(x)) if x else math.nan for x in logs)
 
     def _check(
         self,
