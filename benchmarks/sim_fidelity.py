@@ -217,8 +217,8 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         "overrides": overrides,
         "rows": compare(runs, sim),
         "relay": relay,
-        "host_ratio": [host_ratio(profile, d / "steps.jsonl") for d in dirs],
-        "device_ratio": [device_ratio(profile, d / "steps.jsonl") for d in dirs],
+        "host_ratio": [host_ratio(profile, d / "steps.jsonl", overrides) for d in dirs],
+        "device_ratio": [device_ratio(profile, d / "steps.jsonl", overrides) for d in dirs],
         "clients": [
             {"cpu_share": r["client_cpu_share"], "late_max_s": r["client_lateness_s"]["max"]}
             for r in runs
@@ -248,21 +248,38 @@ def compare(runs: list[dict], sim: dict) -> list[dict]:
     return rows
 
 
-def host_ratio(profile: Path, step_log: Path) -> float:
+LIMITS = {"--max-num-seqs": "max_num_seqs", "--max-num-batched-tokens": "max_num_batched_tokens"}
+
+
+def batch_limits(overrides: list[str]) -> dict[str, int]:
+    """The batch limits among engine options (``--max-num-seqs 64``, ``--max-num-seqs=64``),
+    as ``ProfiledCostModel`` takes them."""
+    limits, words = {}, iter(overrides)
+    for word in words:
+        name, equals, given = word.partition("=")
+        if name in LIMITS:
+            limits[LIMITS[name]] = int(given if equals else next(words))
+    return limits
+
+
+def run_model(profile: Path, overrides: list[str]) -> ProfiledCostModel:
+    """The profile's model for a run with engine ``overrides`` (the what-if's batch limits)."""
+    return ProfiledCostModel(Profile.load(profile), frontend="server", **batch_limits(overrides))
+
+
+def host_ratio(profile: Path, step_log: Path, overrides: list[str] = ()) -> float:
     """The server loop thread's host time in a run over what the profile predicts for the same
     steps: far from 1, the machine's host speed changed since it was profiled (a CPU that
     slows down, another machine), and no prediction from that profile can match the run."""
-    model = ProfiledCostModel(Profile.load(profile), frontend="server")
-    return model.host_ratio(read_step_log(step_log).steps)
+    return run_model(profile, overrides).host_ratio(read_step_log(step_log).steps)
 
 
-def device_ratio(profile: Path, step_log: Path) -> list[float]:
+def device_ratio(profile: Path, step_log: Path, overrides: list[str] = ()) -> list[float]:
     """The device's time in a run over what the profile predicts for the same steps: [decode
     graphs, steps outside them that the device bounded]. Far from 1, the GPU ran its steps
     at another speed than the profile measured (its clock: a GPU at its power limit slows
     under sustained compute)."""
-    model = ProfiledCostModel(Profile.load(profile), frontend="server")
-    return list(model.device_ratio(read_step_log(step_log).steps))
+    return list(run_model(profile, overrides).device_ratio(read_step_log(step_log).steps))
 
 
 def device_note(results: list[dict]) -> str:

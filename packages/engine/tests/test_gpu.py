@@ -507,19 +507,22 @@ def test_the_lm_head_never_waits_for_the_device_at_a_new_row_count(checkpoints):
     """A step outside the decode graphs takes the LM head's product at its count of rows to
     sample. cuBLAS settles a shape's kernel at its first call and that call waits for the device
     to be idle, which in mid-serving stalled the loop behind a whole mixed step; the runner
-    takes the product at every count before serving. Behind queued device work, no count's
-    product may wait for it (an LM head of Qwen3-0.6B's shape, 1,024 x 151,936)."""
+    takes the product at every count before serving. From another thread than the one that
+    started the engine (as the step loop's), behind queued device work, no count's product may
+    wait for it (an LM head of Qwen3-0.6B's shape, 1,024 x 151,936)."""
     path = checkpoints("qwen3", dtype=torch.bfloat16, hidden_size=1024, vocab_size=151_936)
     rows = 48
     with LLM(path, device="cuda", max_num_seqs=rows, gpu_memory_utilization=0.3) as llm:
         runner = llm.engine.runner
-        hidden = torch.zeros(rows, 1024, dtype=torch.bfloat16, device="cuda")
-        square = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        square @ square
-        waited = []
-        with torch.inference_mode():
+        waited, failed = [], []
+
+        @torch.inference_mode()
+        def products():
+            hidden = torch.zeros(rows, 1024, dtype=torch.bfloat16, device="cuda")
+            square = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+            square @ square
             for n in range(1, rows + 1):
-                for _ in range(20):  # ~30 ms of work ahead of the product
+                for _ in range(60):  # ~80 ms of work ahead of the product
                     square @ square
                 queued = torch.cuda.Event()
                 queued.record()
@@ -527,4 +530,15 @@ def test_the_lm_head_never_waits_for_the_device_at_a_new_row_count(checkpoints):
                 if queued.query():  # (the queued work is done: the call waited for it)
                     waited.append(n)
                 torch.cuda.synchronize()
+
+        def run():
+            try:
+                products()
+            except BaseException as e:  # (reported by the test's thread)
+                failed.append(e)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert not failed, failed
     assert not waited, f"the LM head's product waited for the device at {waited} rows"

@@ -264,6 +264,22 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
             harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
 
 
+def test_the_harness_judges_each_run_with_its_own_batch_limits():
+    """A what-if run's host and device ratios are taken with the model of its settings (its
+    CUDA graphs and piecewise sizes), read from the engine options both sides were given."""
+    spec = importlib.util.spec_from_file_location(
+        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
+    )
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    options = ["--max-num-seqs", "64", "--enforce-eager", "--max-num-batched-tokens=4096"]
+    assert harness.batch_limits(options) == {
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+    }
+    assert harness.batch_limits(["--kv-cache-dtype", "fp8"]) == {}
+
+
 def test_the_harness_says_when_its_clients_were_late():
     """A client that sent a request late by more than 10 ms stamped its stalls into the
     engine's latencies: the note says so, with each run's busiest client's share."""

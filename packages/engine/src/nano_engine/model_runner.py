@@ -215,11 +215,11 @@ class ModelRunner:
         )
         try:
             self._capture_graphs()
+            if device.type == "cuda":
+                self._warm_up_logits()  # (tensor-parallel: a gather on every rank)
         except BaseException:  # (a graph that captured a collective holds NCCL's destroy)
             self.release_graphs()
             raise
-        if device.type == "cuda":
-            self._warm_up_logits()
 
     def _capture_graphs(self) -> None:
         config, device = self.config, self.device
@@ -351,7 +351,9 @@ class ModelRunner:
         behind 25 ms of queued work (``benchmarks/bench_first_product.py``). In mid-serving it
         stalled the loop 20-33 ms at each new largest batch of a mixed step, 9-13 times a
         saturated run; the warm-up takes ~0.1 s. Another thread's warm-up counts (the loop's
-        is another)."""
+        is another). Largest first, so that each product's output reuses the first one's
+        memory. (Prompt logprobs take the head at up to a step's token count of rows: those
+        counts are not warmed, and the first of each may still wait.)"""
         hidden = torch.zeros(
             self.config.max_num_seqs,
             self.model_config.hidden_size,
@@ -359,7 +361,7 @@ class ModelRunner:
             device=self.device,
         )
         start = time.perf_counter()
-        for rows in range(1, len(hidden) + 1):
+        for rows in range(len(hidden), 0, -1):
             self.model.logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
         log.info(

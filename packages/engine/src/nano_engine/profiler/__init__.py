@@ -195,7 +195,8 @@ def report(profile: Profile) -> str:
             post, publish = model.resolve_cost(r.resolved, r.finished, r.outputs)
             host_model += (post if r.resolved else 0.0) + publish
         lines.append(
-            f"{frontend}: the loop's forwards against the grid's model: {_errors(device)}; "
+            f"{frontend}: the loop's forwards against the model (the grid's, times what served "
+            f"steps took over it): {_errors(device)}; "
             f"host {'CPU ' if model._host.cpu else ''}time {host_measured:.3f} s measured, "
             f"{host_model:.3f} s fitted"
         )

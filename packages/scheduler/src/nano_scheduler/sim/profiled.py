@@ -156,13 +156,15 @@ class ProfiledCostModel:
         its clock within tens of milliseconds of sustained compute (an H200 at 700 W: a
         compute-bound product 1.20-1.25x slower after 90 ms of them, memory-bound work not).
         On an H200: 1.16 (Qwen3-8B) and 1.21-1.24 (Qwen3-0.6B), where traces replayed apart
-        measured 1.14-1.16 and 1.06-1.22."""
+        measured 1.14-1.16 and 1.06-1.22. (On a synchronous device, a CPU, the forward's
+        time is the whole call's, its launch 0: the ratio is then what serving beside the
+        server's other work took over the grid's calls alone.)"""
         logs = []
         for r in records:
             if not (r.eager and r.forward and r.num_tokens):
                 continue
             grid = self._eager(r.prefills, r.decodes[0], r.decodes[1])
-            if grid > 0 and r.launch < 0.5 * grid:
+            if _device_bound(r, grid):
                 logs.append(math.log(r.forward / grid))
         return math.exp(sum(logs) / len(logs)) if len(logs) >= 20 else 1.0
 
@@ -268,7 +270,9 @@ class ProfiledCostModel:
             if not (r.forward and r.num_tokens):
                 continue
             predicted = self.forward_time(BatchShape.of_record(r))
-            if predicted > 0 and (not r.eager or r.launch < 0.5 * predicted):
+            if r.eager and not _device_bound(r, predicted / self._eager_served):
+                continue
+            if predicted > 0:
                 logs[r.eager].append(math.log(r.forward / predicted))
         return tuple(math.exp(sum(x) / len(x)) if x else math.nan for x in logs)
 
@@ -286,6 +290,12 @@ class ProfiledCostModel:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def _device_bound(record: StepRecord, grid: float) -> bool:
+    """Whether the device bounded an eager step of ``grid`` seconds on the grid: its launch
+    took less than half that (the device did not wait for the host)."""
+    return grid > 0 and record.launch < 0.5 * grid
 
 
 class DecodeGraphModel:
