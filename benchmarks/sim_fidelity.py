@@ -217,8 +217,7 @@ def run_scenario(args, name: str, trace: Path, rate: float, overrides: list[str]
         "overrides": overrides,
         "rows": compare(runs, sim),
         "relay": relay,
-        "host_ratio": [host_ratio(profile, d / "steps.jsonl", overrides) for d in dirs],
-        "device_ratio": [device_ratio(profile, d / "steps.jsonl", overrides) for d in dirs],
+        **speeds(profile, [d / "steps.jsonl" for d in dirs], overrides),
         "clients": [
             {"cpu_share": r["client_cpu_share"], "late_max_s": r["client_lateness_s"]["max"]}
             for r in runs
@@ -262,24 +261,20 @@ def batch_limits(overrides: list[str]) -> dict[str, int]:
     return limits
 
 
-def run_model(profile: Path, overrides: list[str]) -> ProfiledCostModel:
-    """The profile's model for a run with engine ``overrides`` (the what-if's batch limits)."""
-    return ProfiledCostModel(Profile.load(profile), frontend="server", **batch_limits(overrides))
-
-
-def host_ratio(profile: Path, step_log: Path, overrides: list[str] = ()) -> float:
-    """The server loop thread's host time in a run over what the profile predicts for the same
-    steps: far from 1, the machine's host speed changed since it was profiled (a CPU that
-    slows down, another machine), and no prediction from that profile can match the run."""
-    return run_model(profile, overrides).host_ratio(read_step_log(step_log).steps)
-
-
-def device_ratio(profile: Path, step_log: Path, overrides: list[str] = ()) -> list[float]:
-    """The device's time in a run over what the profile predicts for the same steps: [decode
-    graphs, steps outside them that the device bounded]. Far from 1, the GPU ran its steps
-    at another speed than the profile measured (its clock: a GPU at its power limit slows
-    under sustained compute)."""
-    return list(run_model(profile, overrides).device_ratio(read_step_log(step_log).steps))
+def speeds(profile: Path, step_logs: list[Path], overrides: list[str]) -> dict:
+    """Each run's host and device time over what the profile predicts for its steps (with the
+    run's batch limits: a what-if's graphs and piecewise sizes):
+    ``host_ratio``: the server loop thread's; far from 1, the machine's host speed changed
+    since it was profiled (a CPU that slows down, another machine), and no prediction from
+    that profile can match the run. ``device_ratio``: [decode graphs, steps outside them
+    that the device bounded]; far from 1, the GPU ran its steps at another speed than the
+    profile measured (its clock: a GPU at its power limit slows under sustained compute)."""
+    model = ProfiledCostModel(Profile.load(profile), frontend="server", **batch_limits(overrides))
+    logs = [read_step_log(path).steps for path in step_logs]
+    return {
+        "host_ratio": [model.host_ratio(steps) for steps in logs],
+        "device_ratio": [list(model.device_ratio(steps)) for steps in logs],
+    }
 
 
 def device_note(results: list[dict]) -> str:

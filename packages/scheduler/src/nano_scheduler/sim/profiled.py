@@ -96,13 +96,10 @@ class ProfiledCostModel:
         self.graph_sizes = cuda_graph_sizes(seqs) if engine.cuda_graph_sizes else []
         self._graph_limit = self.graph_sizes[-1] if self.graph_sizes else 0
         self._decode = DecodeGraphModel(profile.decode_graphs) if self.graph_sizes else None
-        self._ragged, self._served = self._served_graphs(
-            profile.host.get("server") or profile.host[frontend]
-        )
+        served = profile.host.get("server") or profile.host[frontend]
+        self._ragged, self._served = self._served_graphs(served)
         self._eager = EagerModel(profile.eager, self._piecewise(engine.max_num_batched_tokens))
-        self._eager_served = self._served_eager(
-            profile.host.get("server") or profile.host[frontend]
-        )
+        self._eager_served = self._served_eager(served)
         budget = max_num_batched_tokens or engine.max_num_batched_tokens
         self._eager.sizes = self._piecewise(budget)  # (the what-if's, from here on)
         self._sample = Piecewise(profile.sampling[sampling])
