@@ -232,11 +232,7 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
     """The rates the harness serves: those given, else multiples of the capacity nano-sim
     predicts for each scenario's settings (the what-if's own), each asked once; a rate <= 0 or
     a capacity that is no positive number: an error that says which."""
-    spec = importlib.util.spec_from_file_location(
-        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
-    )
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    harness = _harness()
     asked = []
 
     def capacity_of(overrides):
@@ -267,11 +263,7 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
 def test_the_harness_judges_each_run_with_its_own_batch_limits():
     """A what-if run's host and device ratios are taken with the model of its settings (its
     CUDA graphs and piecewise sizes), read from the engine options both sides were given."""
-    spec = importlib.util.spec_from_file_location(
-        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
-    )
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    harness = _harness()
     options = ["--max-num-seqs", "64", "--enforce-eager", "--max-num-batched-tokens=4096"]
     assert harness.batch_limits(options) == {
         "max_num_seqs": 64,
@@ -283,11 +275,7 @@ def test_the_harness_judges_each_run_with_its_own_batch_limits():
 def test_the_harness_says_when_its_clients_were_late():
     """A client that sent a request late by more than 10 ms stamped its stalls into the
     engine's latencies: the note says so, with each run's busiest client's share."""
-    spec = importlib.util.spec_from_file_location(
-        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
-    )
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    harness = _harness()
     calm = {"scenario": "load", "clients": [{"cpu_share": 0.3, "late_max_s": 0.009}]}
     late = {"scenario": "saturated", "clients": [{"cpu_share": 0.52, "late_max_s": 0.011}]}
     note = harness.client_note([calm])
@@ -295,6 +283,33 @@ def test_the_harness_says_when_its_clients_were_late():
     note = harness.client_note([calm, late])
     assert "saturated 52% (11 ms late)" in note and "late by more than 10 ms" in note
     assert harness.client_note([{"scenario": "load"}]) == ""
+
+
+def test_the_harness_warns_of_a_host_or_device_that_ran_at_another_speed():
+    """Ratios outside 0.85-1.15 (host) or 0.9-1.1 (device) are named in a warning with their
+    span; one such ratio is said once."""
+    harness = _harness()
+    runs = [
+        {"scenario": "load", "host_ratio": [0.92], "device_ratio": [[1.0, 1.04]]},
+        {"scenario": "saturated", "host_ratio": [0.81], "device_ratio": [[0.99, 0.99]]},
+    ]
+    note = harness.host_note(runs)
+    assert "load 0.92, saturated 0.81" in note and "(0.81x its time)" in note
+    runs[0]["host_ratio"] = [1.27]
+    assert "(0.81-1.27x its time)" in harness.host_note(runs)
+    note = harness.device_note(runs)
+    assert "load 1.00 / 1.04" in note and "Warning" not in note
+    runs[1]["device_ratio"] = [[1.2, math.nan]]
+    assert "(1.20x its time)" in harness.device_note(runs)
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location(
+        "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
+    )
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return harness
 
 
 def test_bench_serving_reports_nano_sims_fields(tmp_path):
