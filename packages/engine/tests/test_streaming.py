@@ -338,7 +338,7 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
     waiting or busy when the loop published them; greedy tokens equal generate's."""
     from nano_engine.config import EngineConfig
     from nano_engine.data_parallel.replica import ReplicaCore, RequestSpec
-    from nano_engine.streams import RequestStream
+    from nano_engine.outputs import CompletionOutput, RequestOutput
 
     path = checkpoints("qwen3")
     prompts = [[1 + (i * 13 + j) % 200 for j in range(3 + i % 5)] for i in range(24)]
@@ -378,12 +378,28 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
                     if done:
                         finished.add(request_id)
             sender.join()
-        # A stream published while the collector waits wakes it at once (not at its timeout).
-        stream = RequestStream("woken")
-        threading.Timer(0.05, core._notify, args=(stream,)).start()
+        # An output published while the collector waits wakes it at once (not at its
+        # timeout).
+        woken = RequestOutput("woken", None, [1], [CompletionOutput(0, "", [5])], True)
+        threading.Timer(0.05, core._queue, args=("woken", woken)).start()
         start = time.monotonic()
-        core.outputs(5.0)
+        batch = core.outputs(5.0)
         assert time.monotonic() - start < 2.0
+        assert batch.outputs == [("woken", True, 0, [(0, "", [5], None, None, None)], None, None)]
+        # A request's outputs queued since the last call travel merged, in the order of their
+        # requests' first output; an engine's failure after outputs travels alone.
+        last = RequestOutput("two", None, [1], [CompletionOutput(0, "b", [7], "length")], True)
+        for request_id, item in [
+            ("two", RequestOutput("two", None, [1], [CompletionOutput(0, "a", [5])])),
+            ("failed", RequestOutput("failed", None, [1], [CompletionOutput(0, "", [6])])),
+            ("two", last),
+            ("failed", EngineDeadError("the engine stopped: boom")),
+        ]:
+            core._queue(request_id, item)
+        assert core.outputs(0.0).outputs == [
+            ("two", True, 0, [(0, "ab", [5, 7], "length", None, None)], None, None),
+            ("failed", "the engine stopped: boom"),
+        ]
     finally:
         core.shutdown()
     with LLM(path, kvcache_block_size=4) as reference:
