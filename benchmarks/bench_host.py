@@ -7,7 +7,7 @@ publishing to every request's stream), except that the model runner is a no-op t
 fixed token per sampled row as if a decode graph had drawn it. Reported: microseconds per
 iteration of the loop, median over the steady decode steps, at 1, 32 and 256 running sequences,
 at 256 running with 1,000 more waiting, and at 256 streamed as the server's engine process
-streams them (``ReplicaCore``: every step's outputs to each request's stream, and a thread that
+streams them (``ReplicaCore``: every step's outputs onto the core's queue, and a thread that
 collects them and sends them down a pipe to another process, as ``nano-engine serve`` does).
 
     python benchmarks/bench_host.py [--json out.json]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -297,13 +298,17 @@ def test_the_harness_warns_of_a_host_or_device_that_ran_at_another_speed():
     assert "load 0.92, saturated 0.81" in note and "(0.81x its time)" in note
     runs[0]["host_ratio"] = [1.27]
     assert "(0.81-1.27x its time)" in harness.host_note(runs)
+    runs[0]["host_ratio"] = [math.nan]  # (no step to compare: no warning of its own)
+    assert "(0.81x its time)" in harness.host_note(runs)
+    runs[1]["host_ratio"] = [1.15]
+    assert "Warning" not in harness.host_note(runs)
     note = harness.device_note(runs)
     assert "load 1.00 / 1.04" in note and "Warning" not in note
     runs[1]["device_ratio"] = [[1.2, math.nan]]
     assert "(1.20x its time)" in harness.device_note(runs)
 
 
-def _harness():
+def _harness() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
     )

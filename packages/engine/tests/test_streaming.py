@@ -387,13 +387,15 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
         assert time.monotonic() - start < 2.0
         assert batch.outputs == [("woken", True, 0, [(0, "", [5], None, None, None)], None, None)]
         # A request's outputs queued since the last call travel merged, in the order of their
-        # requests' first output; an engine's failure after outputs travels alone.
+        # requests' first output; an engine's failure travels alone, whatever a step in flight
+        # published after it.
         last = RequestOutput("two", None, [1], [CompletionOutput(0, "b", [7], "length")], True)
         for request_id, item in [
             ("two", RequestOutput("two", None, [1], [CompletionOutput(0, "a", [5])])),
             ("failed", RequestOutput("failed", None, [1], [CompletionOutput(0, "", [6])])),
             ("two", last),
             ("failed", EngineDeadError("the engine stopped: boom")),
+            ("failed", RequestOutput("failed", None, [1], [CompletionOutput(0, "", [8])])),
         ]:
             core._queue(request_id, item)
         assert core.outputs(0.0).outputs == [
@@ -407,3 +409,29 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
     for way in ("at once", "one by one"):
         for i, out in enumerate(expected):
             assert tokens[f"{way} {i}"] == out.outputs[0].token_ids, (way, i)
+
+
+def test_a_replica_core_sends_the_engines_failure_once_for_each_open_request(checkpoints):
+    """Requests open when the engine stops (here: shut down mid-stream) each get one failure
+    (request id, why) from the collector, after the outputs it had already sent."""
+    from nano_engine.config import EngineConfig
+    from nano_engine.data_parallel.replica import ReplicaCore, RequestSpec
+
+    core = ReplicaCore(EngineConfig.from_kwargs(checkpoints("qwen3"), kvcache_block_size=4), 0)
+    ids = [f"open {i}" for i in range(3)]
+    try:
+        longest = greedy(core.engine.max_model_len - 3)
+        core.submit([RequestSpec(i, None, [1, 2, 3], longest, True, False) for i in ids])
+        sent: set[str] = set()
+        deadline = time.monotonic() + 60
+        while sent != set(ids):  # (every request streams)
+            assert time.monotonic() < deadline, "no outputs"
+            batch = core.outputs(0.5)
+            assert not any(out[1] for out in batch.outputs if len(out) == 6)  # none finished
+            sent |= {out[0] for out in batch.outputs if len(out) == 6}
+    finally:
+        core.shutdown()
+    batch = core.outputs(0.0)
+    failures = {out[0]: out[1] for out in batch.outputs if len(out) == 2}
+    assert sorted(failures) == ids
+    assert all("shut down" in why for why in failures.values())

@@ -111,16 +111,18 @@ class ReplicaGone(RuntimeError):
 
 class _QueuedStream(RequestStream):
     """A request's stream in a replica's process, which only the core reads: each output goes
-    onto the core's one queue as the loop publishes it (``put``), without the lock and the
+    onto the core's one queue as the loop publishes it (``enqueue``), without the lock and the
     wake-up of a stream that a reader waits on (~1.7 us a stream and step on the loop's
     thread, and 1.4 us for the collector to drain it, in the server's engine process)."""
 
-    def __init__(self, request_id: str, put: Callable[[str, object], None]) -> None:
+    def __init__(
+        self, request_id: str, enqueue: Callable[[str, RequestOutput | BaseException], None]
+    ) -> None:
         super().__init__(request_id)
-        self._put = put
+        self._enqueue = enqueue
 
-    def _append(self, item) -> None:
-        self._put(self.request_id, item)
+    def _append(self, item: RequestOutput | BaseException) -> None:
+        self._enqueue(self.request_id, item)
 
 
 class ReplicaCore:
@@ -196,13 +198,17 @@ class ReplicaCore:
             failed, self._failed = self._failed, []
         from nano_engine.llm import merge_outputs
 
+        # (by request id: the front holds an id until its request's last output is delivered)
         by_request: dict[str, list[RequestOutput | BaseException]] = {}
         for request_id, item in ready:
             by_request.setdefault(request_id, []).append(item)
         outputs: list[tuple[str, str] | WireOutput] = list(failed)
         for request_id, items in by_request.items():
-            if isinstance(items[-1], BaseException):  # (the engine stopped: its error)
-                outputs.append((request_id, str(items[-1])))
+            # The engine stopped: its error (the first; a step in flight may still publish
+            # after it, when another thread failed the engine).
+            error = next((i for i in items if isinstance(i, BaseException)), None)
+            if error is not None:
+                outputs.append((request_id, str(error)))
                 continue
             merged = items[0]
             for delta in items[1:]:
