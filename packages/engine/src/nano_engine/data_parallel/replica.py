@@ -204,13 +204,14 @@ class ReplicaCore:
             by_request.setdefault(request_id, []).append(item)
         outputs: list[tuple[str, str] | WireOutput] = list(failed)
         for request_id, items in by_request.items():
-            # The engine stopped: its error (the first; a step in flight may still publish
-            # after it, when another thread failed the engine).
-            error = next((i for i in items if isinstance(i, BaseException)), None)
-            if error is not None:
-                outputs.append((request_id, str(error)))
-                continue
             merged = items[0]
+            if len(items) > 1 or isinstance(merged, BaseException):
+                # The engine stopped: its error (the first: a step in flight may still
+                # publish after it, when another thread failed the engine).
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                if error is not None:
+                    outputs.append((request_id, str(error)))
+                    continue
             for delta in items[1:]:
                 merged = merge_outputs(merged, delta)
             outputs.append(to_wire(merged))
