@@ -235,14 +235,30 @@ def test_ray_replicas_serve_survive_a_killed_actor_and_leave_nothing(checkpoints
 
 
 def test_an_output_travels_whole():
-    """What a replica sends (``to_wire``, pickled) is the output the front rebuilds: every
-    field of every completion, logprobs and prompt logprobs included; the prompt comes from
-    the front."""
+    """What a replica sends (its outputs as tuples, pickled) is the output the front rebuilds:
+    every field of every completion, logprobs and prompt logprobs included; the prompt comes
+    from the front. A request's outputs queued together travel merged, as ``merge_outputs``
+    merges them."""
     import dataclasses
     import pickle
 
-    from nano_engine.data_parallel.replica import from_wire, to_wire
+    from nano_engine.data_parallel.replica import from_wire, merge_wire
+    from nano_engine.llm import merge_outputs
     from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def wire(out: RequestOutput, span=None) -> tuple:  # (the fields in their order)
+        completions = [
+            (o.index, o.text, o.token_ids, o.finish_reason, o.logprobs, o.stop_reason)
+            for o in out.outputs
+        ]
+        return (
+            out.request_id,
+            out.finished,
+            out.num_cached_tokens,
+            completions,
+            out.prompt_logprobs,
+            span,
+        )
 
     lp = [Logprob.of(7, -0.25, [7, 9], [-0.25, -1.5], rank=1)]
     out = RequestOutput(
@@ -255,16 +271,24 @@ def test_an_output_travels_whole():
         ],
         finished=True,
         num_cached_tokens=32,
-        metrics={"arrival_time": 1.0, "first_token_time": 2.0, "last_token_time": 2.5},
         prompt_logprobs=[None, *lp],
     )
-    wire = pickle.loads(pickle.dumps(to_wire(out)))
-    assert wire[-1] == 0.5  # (the span from the first token, in the replica's clock)
-    back = from_wire(wire, "the prompt", [5, 6])
-    expected = dataclasses.replace(out, prompt="the prompt", prompt_token_ids=[5, 6], metrics={})
-    assert back == expected
-    early = dataclasses.replace(out, metrics={"arrival_time": 1.0})
-    assert to_wire(early)[-1] is None
+    back = from_wire(pickle.loads(pickle.dumps(wire(out, 0.5))), "the prompt", [5, 6])
+    assert back == dataclasses.replace(out, prompt="the prompt", prompt_token_ids=[5, 6])
+
+    first = RequestOutput(
+        "r-1",
+        None,
+        [],
+        [CompletionOutput(1, "x", [3], None, None, None)],
+        num_cached_tokens=16,
+        prompt_logprobs=[None, *lp],
+    )
+    second = RequestOutput("r-1", None, [], [CompletionOutput(0, "y", [8], None, lp, None)])
+    merged = merge_wire(merge_wire(wire(first, 0.1), wire(second, 0.2)), wire(out, 0.5))
+    assert merged[-1] == 0.5  # (the latest span)
+    expected = merge_outputs(merge_outputs(merge_outputs(None, first), second), out)
+    assert from_wire(merged, None, []) == dataclasses.replace(expected, metrics={})
 
 
 # ---- the server --------------------------------------------------------------------------

@@ -338,7 +338,6 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
     waiting or busy when the loop published them; greedy tokens equal generate's."""
     from nano_engine.config import EngineConfig
     from nano_engine.data_parallel.replica import ReplicaCore, RequestSpec
-    from nano_engine.outputs import CompletionOutput, RequestOutput
 
     path = checkpoints("qwen3")
     prompts = [[1 + (i * 13 + j) % 200 for j in range(3 + i % 5)] for i in range(24)]
@@ -380,26 +379,25 @@ def test_a_replica_core_hands_over_every_streamed_output(checkpoints):
             sender.join()
         # An output published while the collector waits wakes it at once (not at its
         # timeout).
-        woken = RequestOutput("woken", None, [1], [CompletionOutput(0, "", [5])], True)
+        woken = ("woken", True, 0, [(0, "", [5], None, None, None)], None, None)
         threading.Timer(0.05, core._queue, args=("woken", woken)).start()
         start = time.monotonic()
         batch = core.outputs(5.0)
         assert time.monotonic() - start < 2.0
-        assert batch.outputs == [("woken", True, 0, [(0, "", [5], None, None, None)], None, None)]
+        assert batch.outputs == [woken]
         # A request's outputs queued since the last call travel merged, in the order of their
         # requests' first output; an engine's failure travels alone, whatever a step in flight
         # published after it.
-        last = RequestOutput("two", None, [1], [CompletionOutput(0, "b", [7], "length")], True)
         for request_id, item in [
-            ("two", RequestOutput("two", None, [1], [CompletionOutput(0, "a", [5])])),
-            ("failed", RequestOutput("failed", None, [1], [CompletionOutput(0, "", [6])])),
-            ("two", last),
+            ("two", ("two", False, 0, [(0, "a", [5], None, None, None)], None, 0.1)),
+            ("failed", ("failed", False, 0, [(0, "", [6], None, None, None)], None, 0.1)),
+            ("two", ("two", True, 0, [(0, "b", [7], "length", None, None)], None, 0.2)),
             ("failed", EngineDeadError("the engine stopped: boom")),
-            ("failed", RequestOutput("failed", None, [1], [CompletionOutput(0, "", [8])])),
+            ("failed", ("failed", False, 0, [(0, "", [8], None, None, None)], None, 0.2)),
         ]:
             core._queue(request_id, item)
         assert core.outputs(0.0).outputs == [
-            ("two", True, 0, [(0, "ab", [5, 7], "length", None, None)], None, None),
+            ("two", True, 0, [(0, "ab", [5, 7], "length", None, None)], None, 0.2),
             ("failed", "the engine stopped: boom"),
         ]
     finally:

@@ -34,8 +34,10 @@ from nano_engine.requests import (
     Request,
     RequestFactory,
     eos_token_ids,
+    is_last,
     load_tokenizer,
     reasoning_tokens,
+    tokens_of,
 )
 from nano_engine.sampler import FusedRows, SampledTokens, Sampler, prompt_logprobs
 from nano_engine.stats import EngineStats, StatsLog, StepStats
@@ -601,29 +603,28 @@ class LLMEngine:
         touched.setdefault(request.request_id, (request, set()))[1].add(index)
         return request, index
 
-    def _output(self, request: Request, indices, now: float) -> RequestOutput | None:
-        """What is new in these sequences of a request (None: nothing to send yet); a finished
-        sequence's sampler state and owner entry go."""
-        out = request.output(indices, now)
-        for o in out.outputs if out is not None else ():
-            if o.finish_reason is not None:
-                seq_id = request.seqs[o.index].seq_id
-                self.sampler.release(seq_id)
-                self._seq_owner.pop(seq_id, None)
+    def _output(self, request: Request, indices, now: float) -> RequestOutput | tuple | None:
+        """What is new in these sequences of a request (None: nothing to send yet; a tuple for
+        a stream of a replica: ``Request.output``); a finished sequence's sampler state and
+        owner entry go."""
+        finished: list[int] = []
+        out = request.output(indices, now, finished)
+        for seq_id in finished:
+            self.sampler.release(seq_id)
+            self._seq_owner.pop(seq_id, None)
         return out
 
-    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput | tuple]]) -> None:
         """Publish, then retire the finished requests (until then a failure still reaches
         them through ``_fail``)."""
         publish((request.stream, out) for request, out in outputs)
         if self.recorder is not None:
             for request, out in outputs:
-                tokens = sum(len(o.token_ids) for o in out.outputs)
                 first = request.seqs[0].first_scheduled_time
-                self.recorder.published(request.request_id, tokens, out.finished, first)
+                self.recorder.published(request.request_id, tokens_of(out), is_last(out), first)
         with self._cond:
             for request, out in outputs:
-                if out.finished and self._requests.pop(request.request_id, None) is not None:
+                if is_last(out) and self._requests.pop(request.request_id, None) is not None:
                     self._constrained -= request.matchers is not None
 
     def _fail(self, error: BaseException) -> None:

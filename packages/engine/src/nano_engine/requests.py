@@ -109,10 +109,13 @@ class Request:
             return None
         return self.matchers[index]
 
-    def output(self, indices, now: float) -> RequestOutput | None:
-        """What is new in these sequences (None: nothing to send yet). (On the loop's thread
-        for every streamed request at every step: one sequence, most requests, takes no sort
-        and no pass over the others.)"""
+    def output(self, indices, now: float, finished: list[int]) -> RequestOutput | tuple | None:
+        """What is new in these sequences (None: nothing to send yet): a ``RequestOutput``, or
+        where the stream sends outputs on to another process (``stream.wire``) the tuple they
+        travel as (``data_parallel.replica.WireOutput``: no objects to build and take apart
+        again). The ids of the sequences that finish in it go into ``finished``. (On the
+        loop's thread for every streamed request at every step: one sequence, most requests,
+        takes no sort and no pass over the others.)"""
         seqs = self.seqs
         if not self.stream_deltas:
             if not all(s.is_finished for s in seqs):
@@ -121,7 +124,7 @@ class Request:
         elif len(seqs) > 1:
             indices = sorted(indices)
         with_logprobs = self.params.logprobs is not None
-        outputs = []
+        completions = []
         for i in indices:
             seq, detok, sent = seqs[i], self.detokenizers[i], self.sent_tokens[i]
             done = seq.is_finished
@@ -130,20 +133,16 @@ class Request:
             new_logprobs = self.logprobs[i][sent:] if with_logprobs else None
             self.sent_tokens[i] = sent + len(new_ids)
             text = detok.delta(done) if detok is not None else ""
-            reason = seq.finish_reason.value if done else None
-            outputs.append(
-                CompletionOutput(i, text, new_ids, reason, new_logprobs, self.stop_reasons[i])
-            )
+            reason = None
+            if done:
+                reason = seq.finish_reason.value
+                finished.append(seq.seq_id)
+            completions.append((i, text, new_ids, reason, new_logprobs, self.stop_reasons[i]))
         if len(seqs) == 1:
-            finished, first = seqs[0].is_finished, seqs[0].first_token_time
+            last, first = seqs[0].is_finished, seqs[0].first_token_time
         else:
-            finished = all(s.is_finished for s in seqs)
+            last = all(s.is_finished for s in seqs)
             first = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
-        metrics = {
-            "arrival_time": self.arrival,
-            "first_token_time": first or 0.0,
-            "last_token_time": now,
-        }
         cached = seqs[0].num_prefix_cached_tokens
         prompt_logprobs = None
         whole = self.prompt_logprobs is not None and (
@@ -151,16 +150,36 @@ class Request:
         )
         if whole and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
+        if self.stream.wire:  # (the span from the first token: the replica's clock)
+            span = now - first if first else None
+            return self.request_id, last, cached, completions, prompt_logprobs, span
+        metrics = {
+            "arrival_time": self.arrival,
+            "first_token_time": first or 0.0,
+            "last_token_time": now,
+        }
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            outputs,
-            finished,
+            [CompletionOutput(*c) for c in completions],
+            last,
             cached,
             metrics,
             prompt_logprobs,
         )
+
+
+def is_last(out: RequestOutput | tuple) -> bool:
+    """Whether ``Request.output``'s output, in either form, is its request's last."""
+    return out[1] if type(out) is tuple else out.finished
+
+
+def tokens_of(out: RequestOutput | tuple) -> int:
+    """The token ids in ``Request.output``'s output, in either form."""
+    if type(out) is tuple:
+        return sum(len(c[2]) for c in out[3])
+    return sum(len(o.token_ids) for o in out.outputs)
 
 
 # The files a Hugging Face tokenizer is loaded from (one of them must be there).

@@ -21,6 +21,8 @@ class RequestStream:
     True. Iterate it (blocking) or ``async for`` it; an engine failure is raised to the reader.
     Several streams read by one coroutine can share one event (``attach``)."""
 
+    wire = False  # its outputs published as they travel between processes (a replica's)
+
     def __init__(self, request_id: str, notify: Callable[[RequestStream], None] | None = None):
         self.request_id = request_id
         self._items: deque[RequestOutput | BaseException] = deque()

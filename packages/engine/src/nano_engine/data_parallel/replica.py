@@ -62,27 +62,24 @@ class ReplicaInfo:
 WireOutput = tuple[str, bool, int, list[tuple], list | None, float | None]
 
 
-def to_wire(out: RequestOutput) -> WireOutput:
-    """A (delta) output as it travels, without its prompt, which the front holds."""
-    times = out.metrics
-    first = times.get("first_token_time")
-    span = times["last_token_time"] - first if first else None
-    completions = [
-        (o.index, o.text, o.token_ids, o.finish_reason, o.logprobs, o.stop_reason)
-        for o in out.outputs
-    ]
-    return (
-        out.request_id,
-        out.finished,
-        out.num_cached_tokens,
-        completions,
-        out.prompt_logprobs,
-        span,
-    )
+def merge_wire(total: WireOutput, delta: WireOutput) -> WireOutput:
+    """A request's later output folded into its earlier one, as ``merge_outputs`` folds
+    ``RequestOutput``s: each completion's text, tokens and logprobs extended, the rest the
+    later's (the prompt logprobs: whichever came)."""
+    by_index = {c[0]: c for c in total[3]}
+    for c in delta[3]:
+        old = by_index.get(c[0])
+        if old is not None:
+            logprobs = old[4] if c[4] is None else (old[4] or []) + c[4]
+            c = (c[0], old[1] + c[1], old[2] + c[2], c[3], logprobs, c[5])
+        by_index[c[0]] = c
+    completions = [by_index[i] for i in sorted(by_index)]
+    prompt_logprobs = delta[4] if delta[4] is not None else total[4]
+    return total[0], delta[1], max(total[2], delta[2]), completions, prompt_logprobs, delta[5]
 
 
 def from_wire(wire: WireOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
-    """The output ``to_wire`` sent, with its request's prompt (metrics: the caller's)."""
+    """The output a replica sent, with its request's prompt (metrics: the caller's)."""
     request_id, finished, cached, completions, prompt_logprobs, _ = wire
     return RequestOutput(
         request_id,
@@ -97,7 +94,7 @@ def from_wire(wire: WireOutput, prompt: str | None, prompt_token_ids: list[int])
 
 @dataclass(frozen=True)
 class Batch:
-    """What a replica sends back: outputs as ``to_wire`` makes them (a message instead: the
+    """What a replica sends back: outputs as they travel (``WireOutput``; a message instead: the
     request failed there), its engine's state, and why the engine stopped, if it did."""
 
     outputs: list[tuple[str, str] | WireOutput]
@@ -111,17 +108,20 @@ class ReplicaGone(RuntimeError):
 
 class _QueuedStream(RequestStream):
     """A request's stream in a replica's process, which only the core reads: each output goes
-    onto the core's one queue as the loop publishes it (``enqueue``), without the lock and the
-    wake-up of a stream that a reader waits on (~1.7 us a stream and step on the loop's
-    thread, and 1.4 us for the collector to drain it, in the server's engine process)."""
+    onto the core's one queue as the loop publishes it (``enqueue``), in the form it travels
+    (``wire``), without the lock and the wake-up of a stream that a reader waits on (~1.7 us
+    a stream and step on the loop's thread, and 1.4 us for the collector to drain it, in the
+    server's engine process)."""
+
+    wire = True
 
     def __init__(
-        self, request_id: str, enqueue: Callable[[str, RequestOutput | BaseException], None]
+        self, request_id: str, enqueue: Callable[[str, WireOutput | BaseException], None]
     ) -> None:
         super().__init__(request_id)
         self._enqueue = enqueue
 
-    def _append(self, item: RequestOutput | BaseException) -> None:
+    def _append(self, item: WireOutput | BaseException) -> None:
         self._enqueue(self.request_id, item)
 
 
@@ -139,7 +139,7 @@ class ReplicaCore:
         self.engine = LLMEngine(config)
         self._cond = threading.Condition()
         # every request's outputs in the order the loop published them (_QueuedStream)
-        self._ready: deque[tuple[str, RequestOutput | BaseException]] = deque()
+        self._ready: deque[tuple[str, WireOutput | BaseException]] = deque()
         self._failed: list[tuple[str, str]] = []
         self._waiting = False  # ``outputs`` waits for one (set and cleared under ``_cond``)
 
@@ -196,10 +196,8 @@ class ReplicaCore:
             # there for the next call)
             ready = [self._ready.popleft() for _ in range(len(self._ready))]
             failed, self._failed = self._failed, []
-        from nano_engine.llm import merge_outputs
-
         # (by request id: the front holds an id until its request's last output is delivered)
-        by_request: dict[str, list[RequestOutput | BaseException]] = {}
+        by_request: dict[str, list[WireOutput | BaseException]] = {}
         for request_id, item in ready:
             by_request.setdefault(request_id, []).append(item)
         outputs: list[tuple[str, str] | WireOutput] = list(failed)
@@ -212,9 +210,9 @@ class ReplicaCore:
                 if error is not None:
                     outputs.append((request_id, str(error)))
                     continue
-            for delta in items[1:]:
-                merged = merge_outputs(merged, delta)
-            outputs.append(to_wire(merged))
+                for delta in items[1:]:
+                    merged = merge_wire(merged, delta)
+            outputs.append(merged)
         error = self.engine.error
         return Batch(outputs, self.engine.replica_stats()[0], None if error is None else str(error))
 
@@ -235,7 +233,7 @@ class ReplicaCore:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def _queue(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _queue(self, request_id: str, item: WireOutput | BaseException) -> None:
         """(The loop's, for every output it publishes: the lock only when ``outputs`` waits.
         It sets ``_waiting`` before it looks at the queue a last time, so an append it did
         not see finds the flag set and wakes it: the two threads' reads and writes are
