@@ -285,9 +285,14 @@ def test_an_output_travels_whole():
         prompt_logprobs=[None, *lp],
     )
     second = RequestOutput("r-1", None, [], [CompletionOutput(0, "y", [8], None, lp, None)])
-    merged = merge_wire(merge_wire(wire(first, 0.1), wire(second, 0.2)), wire(out, 0.5))
+    later = dataclasses.replace(out, num_cached_tokens=0, prompt_logprobs=None)
+    deltas = [wire(first, 0.1), wire(second, 0.2), wire(later, 0.5)]
+    sent = pickle.dumps(deltas)
+    merged = merge_wire(merge_wire(deltas[0], deltas[1]), deltas[2])
+    assert pickle.dumps(deltas) == sent  # (its inputs untouched)
     assert merged[-1] == 0.5  # (the latest span)
-    expected = merge_outputs(merge_outputs(merge_outputs(None, first), second), out)
+    expected = merge_outputs(merge_outputs(merge_outputs(None, first), second), later)
+    assert expected.num_cached_tokens == 16 and expected.prompt_logprobs == [None, *lp]
     assert from_wire(merged, None, []) == dataclasses.replace(expected, metrics={})
 
 

@@ -607,9 +607,9 @@ class LLMEngine:
         """What is new in these sequences of a request (None: nothing to send yet; a tuple for
         a stream of a replica: ``Request.output``); a finished sequence's sampler state and
         owner entry go."""
-        finished: list[int] = []
-        out = request.output(indices, now, finished)
-        for seq_id in finished:
+        finished_ids: list[int] = []
+        out = request.output(indices, now, finished_ids)
+        for seq_id in finished_ids:
             self.sampler.release(seq_id)
             self._seq_owner.pop(seq_id, None)
         return out

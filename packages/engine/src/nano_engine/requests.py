@@ -109,11 +109,11 @@ class Request:
             return None
         return self.matchers[index]
 
-    def output(self, indices, now: float, finished: list[int]) -> RequestOutput | tuple | None:
+    def output(self, indices, now: float, finished_ids: list[int]) -> RequestOutput | tuple | None:
         """What is new in these sequences (None: nothing to send yet): a ``RequestOutput``, or
         where the stream sends outputs on to another process (``stream.wire``) the tuple they
         travel as (``data_parallel.replica.WireOutput``: no objects to build and take apart
-        again). The ids of the sequences that finish in it go into ``finished``. (On the
+        again). The ids of the sequences that finish in it go into ``finished_ids``. (On the
         loop's thread for every streamed request at every step: one sequence, most requests,
         takes no sort and no pass over the others.)"""
         seqs = self.seqs
@@ -124,6 +124,7 @@ class Request:
         elif len(seqs) > 1:
             indices = sorted(indices)
         with_logprobs = self.params.logprobs is not None
+        wire = self.stream.wire
         completions = []
         for i in indices:
             seq, detok, sent = seqs[i], self.detokenizers[i], self.sent_tokens[i]
@@ -136,8 +137,13 @@ class Request:
             reason = None
             if done:
                 reason = seq.finish_reason.value
-                finished.append(seq.seq_id)
-            completions.append((i, text, new_ids, reason, new_logprobs, self.stop_reasons[i]))
+                finished_ids.append(seq.seq_id)
+            stop = self.stop_reasons[i]
+            completions.append(
+                (i, text, new_ids, reason, new_logprobs, stop)
+                if wire
+                else CompletionOutput(i, text, new_ids, reason, new_logprobs, stop)
+            )
         if len(seqs) == 1:
             last, first = seqs[0].is_finished, seqs[0].first_token_time
         else:
@@ -150,7 +156,7 @@ class Request:
         )
         if whole and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
-        if self.stream.wire:  # (the span from the first token: the replica's clock)
+        if wire:  # (the span from the first token: the replica's clock)
             span = now - first if first else None
             return self.request_id, last, cached, completions, prompt_logprobs, span
         metrics = {
@@ -162,7 +168,7 @@ class Request:
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [CompletionOutput(*c) for c in completions],
+            completions,
             last,
             cached,
             metrics,
