@@ -28,16 +28,14 @@ from typing import TYPE_CHECKING
 
 from nano_engine.config import EngineConfig
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
-from nano_engine.outputs import Logprob, RequestOutput
+from nano_engine.outputs import Logprob, RequestOutput, WireOutput, is_last, tokens_of
 from nano_engine.parallel import Workers, abort_group, init_group
 from nano_engine.requests import (
     Request,
     RequestFactory,
     eos_token_ids,
-    is_last,
     load_tokenizer,
     reasoning_tokens,
-    tokens_of,
 )
 from nano_engine.sampler import FusedRows, SampledTokens, Sampler, prompt_logprobs
 from nano_engine.stats import EngineStats, StatsLog, StepStats
@@ -603,7 +601,7 @@ class LLMEngine:
         touched.setdefault(request.request_id, (request, set()))[1].add(index)
         return request, index
 
-    def _output(self, request: Request, indices, now: float) -> RequestOutput | tuple | None:
+    def _output(self, request: Request, indices, now: float) -> RequestOutput | WireOutput | None:
         """What is new in these sequences of a request (None: nothing to send yet; a tuple for
         a stream of a replica: ``Request.output``); a finished sequence's sampler state and
         owner entry go."""
@@ -614,7 +612,7 @@ class LLMEngine:
             self._seq_owner.pop(seq_id, None)
         return out
 
-    def _deliver(self, outputs: list[tuple[Request, RequestOutput | tuple]]) -> None:
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput | WireOutput]]) -> None:
         """Publish, then retire the finished requests (until then a failure still reaches
         them through ``_fail``)."""
         publish((request.stream, out) for request, out in outputs)

@@ -82,3 +82,25 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one per prompt token (None for the first), in the
     # first output once all are known
     prompt_logprobs: list[Logprob | None] | None = None
+
+
+# A request's output on the wire, between a replica's engine and the front: (request id,
+# finished, cached prompt tokens, its completions as tuples of CompletionOutput's fields in
+# order, prompt logprobs, seconds from its first token to this output in the replica's clock
+# or None before it). A request that failed there travels as (request id, why): two items.
+# Plain tuples pickle several times faster than the dataclasses, and the replica's sender
+# holds its step loop's interpreter lock meanwhile. ``Request.output`` builds it for a
+# replica's streams (``RequestStream.wire``).
+WireOutput = tuple[str, bool, int, list[tuple], list | None, float | None]
+
+
+def is_last(out: RequestOutput | WireOutput) -> bool:
+    """Whether a request's output, in either form, is its last."""
+    return out[1] if type(out) is tuple else out.finished
+
+
+def tokens_of(out: RequestOutput | WireOutput) -> int:
+    """The token ids in a request's output, in either form."""
+    if type(out) is tuple:
+        return sum(len(c[2]) for c in out[3])
+    return sum(len(o.token_ids) for o in out.outputs)

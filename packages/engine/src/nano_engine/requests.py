@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nano_engine.config import EngineConfig
 from nano_engine.detokenizer import IncrementalDetokenizer
-from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput, WireOutput
 from nano_engine.streams import RequestStream
 from nano_engine.structured import GrammarCompiler
 from nano_models import ModelConfig
@@ -109,10 +109,12 @@ class Request:
             return None
         return self.matchers[index]
 
-    def output(self, indices, now: float, finished_ids: list[int]) -> RequestOutput | tuple | None:
+    def output(
+        self, indices, now: float, finished_ids: list[int]
+    ) -> RequestOutput | WireOutput | None:
         """What is new in these sequences (None: nothing to send yet): a ``RequestOutput``, or
         where the stream sends outputs on to another process (``stream.wire``) the tuple they
-        travel as (``data_parallel.replica.WireOutput``: no objects to build and take apart
+        travel as (``WireOutput``: no objects to build and take apart
         again). The ids of the sequences that finish in it go into ``finished_ids``. (On the
         loop's thread for every streamed request at every step: one sequence, most requests,
         takes no sort and no pass over the others.)"""
@@ -174,18 +176,6 @@ class Request:
             metrics,
             prompt_logprobs,
         )
-
-
-def is_last(out: RequestOutput | tuple) -> bool:
-    """Whether ``Request.output``'s output, in either form, is its request's last."""
-    return out[1] if type(out) is tuple else out.finished
-
-
-def tokens_of(out: RequestOutput | tuple) -> int:
-    """The token ids in ``Request.output``'s output, in either form."""
-    if type(out) is tuple:
-        return sum(len(c[2]) for c in out[3])
-    return sum(len(o.token_ids) for o in out.outputs)
 
 
 # The files a Hugging Face tokenizer is loaded from (one of them must be there).

@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
-from nano_engine.outputs import RequestOutput
+from nano_engine.outputs import RequestOutput, WireOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -97,7 +97,9 @@ class RequestStream:
             event.clear()
 
 
-def publish(items: Iterable[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def publish(
+    items: Iterable[tuple[RequestStream, RequestOutput | WireOutput | BaseException]],
+) -> None:
     """Append outputs to their streams, waking each asyncio loop once for all of them (one
     wake-up per stream and step would cost the loop more than the outputs themselves)."""
     wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}

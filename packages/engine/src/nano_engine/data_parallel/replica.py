@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from nano_engine.config import EngineConfig
 from nano_engine.interpreter import tune_for_serving
-from nano_engine.outputs import CompletionOutput, RequestOutput
+from nano_engine.outputs import CompletionOutput, RequestOutput, WireOutput
 from nano_engine.stats import EngineStats
 from nano_engine.streams import RequestStream
 from nano_scheduler import SamplingParams
@@ -52,14 +52,6 @@ class ReplicaInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
-
-
-# A request's output on the wire: (request id, finished, cached prompt tokens, its completions
-# as tuples of CompletionOutput's fields in order, prompt logprobs, seconds from its first
-# token to this output in the replica's clock or None before it). A request that failed there
-# travels as (request id, why): two items. Plain tuples pickle several times faster than the
-# dataclasses, and the replica's sender holds its step loop's interpreter lock meanwhile.
-WireOutput = tuple[str, bool, int, list[tuple], list | None, float | None]
 
 
 def merge_wire(total: WireOutput, delta: WireOutput) -> WireOutput:
