@@ -1,8 +1,9 @@
 """FP8 weights through the engine on the CPU: a checkpoint in Qwen3-FP8's format generates
 what transformers generates from the weights it stands for (dequantized), in every scheduling
 mode and with tensor parallelism 2; quantization="fp8" runs and stays close to the unquantized
-engine (nano-engine accuracy); a tensor-parallel split that would cut weight blocks, and an
-FP8 checkpoint compared without its reference, are errors that say so."""
+engine (nano-engine accuracy), with its LM head in e4m3 too (quantize_lm_head, tensor
+parallelism 2 generating what one process does); a tensor-parallel split that would cut weight
+blocks, and an FP8 checkpoint compared without its reference, are errors that say so."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from engine_helpers import NEW_TOKENS, hf_greedy, sample_prompts
 
 from nano_engine import LLM, SamplingParams
@@ -65,3 +67,33 @@ def test_fp8_weights_stay_close_to_the_unquantized_engine(fp8, checkpoints, tmp_
     assert proc.returncode == 0, proc.stderr
     # (the reference: the checkpoint these FP8 weights stand for, so the same tokens)
     assert json.loads((tmp_path / "c.json").read_text())["greedy_match_rate"] == 1.0
+
+
+def test_an_fp8_lm_head_stays_close_and_splits_over_ranks(checkpoints, tmp_path):
+    # (416 vocabulary rows: 208 a rank, a multiple of 16 as FP8 products want)
+    source = checkpoints("qwen3", vocab_size=416)
+    proc = accuracy(source, "-q", "fp8", "--quantize-lm-head", "--json", f"{tmp_path}/h.json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "h.json").read_text())
+    assert summary["top5_agreement"] >= 0.9 and summary["tokens_compared"] >= 4
+    # Split over two ranks, the head computes what it does in one process. (An FP8 checkpoint:
+    # on the CPU its layers do not round activations, which quantization="fp8"'s row-parallel
+    # layers do per rank's shard, so that its two ranks differ from one process already.)
+    path, _ = fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(
+            str(path),
+            device="cpu",
+            kvcache_block_size=4,
+            quantize_lm_head=True,
+            tensor_parallel_size=tp,
+        ) as llm:
+            if tp == 1:
+                assert llm.engine.runner.model.lm_head.weight.dtype == torch.float8_e4m3fn
+            outputs[tp] = llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[2]] == [
+        o.outputs[0].token_ids for o in outputs[1]
+    ]
+    with pytest.raises(ValueError, match="quantize_lm_head needs FP8 weights"):
+        LLM(source, device="cpu", quantize_lm_head=True)

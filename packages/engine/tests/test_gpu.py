@@ -163,17 +163,19 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
         assert [o.outputs[0].token_ids for o in outputs] == expected, options
 
 
-@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("scheme", ["channel", "channel+head", "block"])
 def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_path, scheme):
     """Decode steps of one sequence, whose linear layers are the few-row product reading the
-    e4m3 weights and their scales (quantization="fp8"; an FP8 checkpoint, in bf16), against
-    the bf16 engine on the weights they stand for: vLLM's check_logprobs_close."""
+    e4m3 weights and their scales (quantization="fp8", with the LM head in e4m3 too or not; an
+    FP8 checkpoint, in bf16), against the bf16 engine on the weights they stand for: vLLM's
+    check_logprobs_close."""
     from nano_engine.accuracy import compare
     from nano_models.testing import fp8_checkpoint
 
     source = checkpoints("qwen3", dtype=torch.bfloat16)
-    if scheme == "channel":
-        pair = [(source, {}), (source, {"quantization": "fp8"})]
+    if scheme.startswith("channel"):
+        quantized = {"quantization": "fp8", "quantize_lm_head": scheme == "channel+head"}
+        pair = [(source, {}), (source, quantized)]
     else:
         path, plain = fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "plain", (16, 16))
         pair = [(str(plain), {}), (str(path), {})]
@@ -189,10 +191,11 @@ def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_pat
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
-@pytest.mark.parametrize("what", ["weights", "weights+cache"])
+@pytest.mark.parametrize("what", ["weights", "weights+cache", "weights+head"])
 def test_fp8_weights_keep_bf16s_top5(checkpoints, model, what):
     """quantization="fp8" (torch._scaled_mm, per-token activations), with and without the FP8
-    cache, against the bf16 engine: vLLM's check_logprobs_close."""
+    cache, with the LM head in e4m3 too, against the bf16 engine: vLLM's
+    check_logprobs_close."""
     from pathlib import Path
 
     from nano_engine.accuracy import compare
@@ -206,6 +209,8 @@ def test_fp8_weights_keep_bf16s_top5(checkpoints, model, what):
     quantized = {"quantization": "fp8"}
     if what == "weights+cache":
         quantized["kv_cache_dtype"] = "fp8"
+    if what == "weights+head":
+        quantized["quantize_lm_head"] = True
     runs = []
     for options in ({}, quantized):
         with LLM(path, device="cuda", gpu_memory_utilization=0.3, **options, **extra) as llm:

@@ -75,6 +75,46 @@ def test_quantizing_when_loading_computes_fp8_weights_and_activations(source):
         assert (got - want).norm() / want.norm() < 0.1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_fp8_lm_head_computes_e4m3_weights_and_activations(tmp_path, tied):
+    source = build_checkpoint(tmp_path, "qwen3", tokenizer=False, tie_word_embeddings=tied)
+    full, _ = load_model(source, dtype=torch.float32)
+    plain, _ = load_model(source, dtype=torch.float32, quantization="fp8")
+    assert plain.lm_head.weight.dtype == torch.float32  # (by default the head stays)
+    model, _ = load_model(source, dtype=torch.float32, quantization="fp8", quantize_lm_head=True)
+    head = model.lm_head
+    assert head.weight.dtype == FP8 and isinstance(head.quant, ChannelFp8)
+    # The embedding keeps its weight, tied to the head's or not.
+    embedding = model.model.embed_tokens.weight
+    assert embedding.dtype == torch.float32
+    torch.testing.assert_close(embedding, full.model.embed_tokens.weight, atol=0, rtol=0)
+    # Per vocabulary row: max|w| / 448; the products round the activations per token too
+    # (independent arithmetic here).
+    w = full.lm_head.weight
+    scale = w.abs().amax(dim=1) / 448
+    torch.testing.assert_close(head.weight_scale, scale)
+    x = torch.randn(5, w.shape[1], dtype=torch.float64)
+    sx = x.abs().amax(dim=1, keepdim=True) / 448
+    x8 = (x / sx).to(torch.float8_e4m3fn).double() * sx
+    w8 = (w.double() / scale[:, None]).to(torch.float8_e4m3fn).double() * scale[:, None]
+    got = model.logits(x.float())
+    torch.testing.assert_close(got.double(), x8 @ w8.t(), atol=1e-5, rtol=1e-5)
+    assert (got - full.logits(x.float())).norm() / got.norm() < 0.1
+    # The rest of the model is the one quantized without the head.
+    torch.testing.assert_close(
+        model.model.layers[0].mlp.down_proj.weight.float(),
+        plain.model.layers[0].mlp.down_proj.weight.float(),
+    )
+
+
+def test_an_fp8_lm_head_that_cannot_be_made_is_refused(source, tmp_path):
+    with pytest.raises(ValueError, match="quantize_lm_head needs FP8 weights"):
+        load_model(source, quantize_lm_head=True)
+    odd = build_checkpoint(tmp_path, "qwen3", tokenizer=False, vocab_size=408)
+    with pytest.raises(ValueError, match=r"LM head's 408 x 64 weight .* multiples of 16"):
+        load_model(odd, quantization="fp8", quantize_lm_head=True)
+
+
 def test_bad_fp8_checkpoints_and_settings_are_named(source, tmp_path):
     fp8, _ = fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "plain", (32, 32))
     (weights,) = fp8.glob("*.safetensors")

@@ -35,8 +35,10 @@ from nano_models.layers.norm import RMSNorm
 from nano_models.quantization import (
     Fp8Config,
     dequantize,
+    fp8_lm_head,
     prepare_block_fp8,
     quantize_channel_fp8,
+    round_per_token,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -318,6 +320,39 @@ def test_fp8_layers_of_a_few_rows_take_it_with_their_prologues(rows, scheme, mon
         down(a).double().cpu(), reference(a, dequantize(down), down.bias), **tol
     )
     assert len(calls) == (3 if rows <= GEMV_ROWS else 0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the LM head takes it on a GPU only")
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS, 16, 64])
+def test_an_fp8_lm_head_takes_it_at_a_few_rows(rows, monkeypatch):
+    """The LM head in e4m3 (quantize_lm_head: a scale a vocabulary row): up to GEMV_ROWS rows
+    ``gemv``; past that the per-channel FP8 product (the weight widened up to 16 rows, FP8
+    tensor cores with the activations rounded per token after). Against float64 products of
+    the weight the FP8 one stands for."""
+    from nano_models.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(rows)
+    holder = torch.nn.Module()
+    holder.lm_head = ParallelLMHead(4000, 512).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(holder.lm_head.weight, std=0.05)
+    fp8_lm_head(holder)
+    head = holder.lm_head
+    assert head.weight.dtype == torch.float8_e4m3fn
+    calls = []
+    real = gemv_module._launch
+    monkeypatch.setattr(gemv_module, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    if rows > 16:
+        x8, scale = round_per_token(x)
+        x_ref = x8.double() * scale.double()
+    else:
+        x_ref = x
+    logits = head(x)
+    assert logits.shape == (rows, 4000) and logits.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        logits.double().cpu(), reference(x_ref, dequantize(head)), **tolerance(torch.bfloat16)
+    )
+    assert len(calls) == (1 if rows <= GEMV_ROWS else 0)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

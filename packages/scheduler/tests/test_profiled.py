@@ -4,6 +4,7 @@ simulated loop's order (a request that arrives while a step runs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -246,10 +247,17 @@ def profile_file(tmp_path):
     return path
 
 
-def test_a_saved_profile_loads_back(profile_file):
+def test_a_saved_profile_loads_back(profile_file, tmp_path):
     loaded = Profile.load(profile_file)
     assert loaded.engine == synthetic_profile().engine
     assert len(loaded.eager) == len(synthetic_profile().eager)
+    # (the weights' and the cache's formats too, not only what times steps)
+    profile = synthetic_profile()
+    profile.engine = dataclasses.replace(
+        profile.engine, kv_cache_dtype="fp8", quantization="fp8", quantize_lm_head=True
+    )
+    profile.save(tmp_path / "fp8.json")
+    assert Profile.load(tmp_path / "fp8.json").engine == profile.engine
 
 
 def test_a_truncated_profile_is_refused(profile_file):

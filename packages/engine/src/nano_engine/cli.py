@@ -235,6 +235,12 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
         str,
         QUANTIZATIONS,
     ),
+    "quantize_lm_head": EngineOption(
+        ("--quantize-lm-head",),
+        "with FP8 weights (--quantization fp8 or an FP8 checkpoint): the LM head's weight in "
+        "e4m3 too (a scale per vocabulary row): half its bytes a decode step, logits that "
+        "carry its rounding (check with nano-engine accuracy); default: the model's dtype",
+    ),
     "data_parallel_size": EngineOption(
         ("--data-parallel-size", "-dp"),
         "engine replicas, each with its own GPU(s), behind one server (or LLM)",
@@ -738,7 +744,12 @@ def accuracy(args: argparse.Namespace) -> int:
     from nano_models import ModelConfig
 
     kwargs = engine_kwargs(args)
-    reference = {**kwargs, "kv_cache_dtype": "auto", "quantization": None}
+    reference = {
+        **kwargs,
+        "kv_cache_dtype": "auto",
+        "quantization": None,
+        "quantize_lm_head": False,
+    }
     reference_model = args.reference or args.model
     if args.reference is None and reference == kwargs:
         config = EngineConfig.from_kwargs(args.model, **kwargs)

@@ -43,6 +43,8 @@ class EngineConfig:
     half the bytes of bf16 per token. quantization: ``fp8`` quantizes a bf16 or fp32
     checkpoint's linear layers to e4m3 as it loads (a scale per output channel; activations
     per token); a checkpoint in FP8 (its quantization_config) is read as such without it.
+    quantize_lm_head: with FP8 weights, the LM head's weight in e4m3 too (a scale per
+    vocabulary row; it stays in the model's dtype by default, as vLLM keeps it).
     data_parallel_size: engine replicas, each with its own device(s) (tensor_parallel_size
     GPUs), behind one front that routes each request by ``router`` (``nano_scheduler.router``:
     least_tokens, prefix_aware, round_robin); data_parallel_backend ``ray`` places them as Ray
@@ -76,6 +78,7 @@ class EngineConfig:
     revision: str | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    quantize_lm_head: bool = False
     data_parallel_size: int = 1
     data_parallel_backend: str = "ray"
     data_parallel_address: str | None = None

@@ -162,6 +162,7 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
             quantization=config.quantization,
+            quantize_lm_head=config.quantize_lm_head,
         )
         log.info(
             "rank %d: loaded %s (%s, %.1f GB read) in %.1f s",

@@ -15,7 +15,13 @@ from torch import nn
 
 from nano_models.config import ModelConfig
 from nano_models.parallel import SINGLE, TensorParallel
-from nano_models.quantization import Fp8Config, prepare_block_fp8, quantize_channel_fp8
+from nano_models.quantization import (
+    Fp8Config,
+    check_fp8_lm_head,
+    fp8_lm_head,
+    prepare_block_fp8,
+    quantize_channel_fp8,
+)
 from nano_models.registry import model_class
 from nano_models.weights import WeightSource, default_weight_loader
 
@@ -50,18 +56,23 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of a checkpoint directory, on ``device`` in ``dtype`` (default: the config's).
 
     With tensor parallelism each rank reads only its slices of the checkpoint. ``dummy`` fills
     random weights (seeded) and reads no file; ``path`` may then be a ``ModelConfig``. FP8
     weights (``nano_models.quantization``): a checkpoint's (its quantization_config), or
-    ``quantization="fp8"`` on one in bf16 or fp32 (quantized as it loads).
+    ``quantization="fp8"`` on one in bf16 or fp32 (quantized as it loads); ``quantize_lm_head``:
+    the LM head's weight too (a scale per vocabulary row), with either.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = path if isinstance(path, ModelConfig) else ModelConfig.from_pretrained(path)
     fp8 = Fp8Config.of(cfg, quantization)
+    if quantize_lm_head:
+        rows = -(-cfg.vocab_size // tp.size)
+        check_fp8_lm_head(fp8, rows, cfg.hidden_size, torch.device(device), dtype or cfg.dtype)
     if fp8 is not None:
         fp8.check_device(torch.device(device), dtype or cfg.dtype)
     cls = model_class(cfg.architecture)
@@ -79,6 +90,8 @@ def load_model(
         report = load_weights(model, Path(path))
     if fp8 is not None and fp8.scheme == "channel":
         quantize_channel_fp8(model, fp8)
+    if quantize_lm_head:
+        fp8_lm_head(model)
     return model, report
 
 

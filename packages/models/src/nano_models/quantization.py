@@ -1,5 +1,5 @@
-"""FP8 (e4m3) weights for the linear layers (embeddings, norms and the LM head stay in the
-model's dtype).
+"""FP8 (e4m3) weights for the linear layers (embeddings and norms stay in the model's dtype, and
+so does the LM head unless asked: ``fp8_lm_head``).
 
 - ``block``: a checkpoint's (Qwen3-FP8's and DeepSeek's format: ``quantization_config`` with
   ``quant_method: fp8``, dynamic activations, ``weight_block_size: [bo, bi]``). A layer holds
@@ -170,6 +170,53 @@ def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
         layer.quant = ChannelFp8()
 
 
+# Vocabulary rows of the LM head quantized at a time (a float32 copy of a few of them at once,
+# not of the whole head: Qwen3-8B's is 2.5 GB in float32).
+_HEAD_ROWS = 8192
+
+
+def check_fp8_lm_head(
+    fp8: Fp8Config | None, rows: int, columns: int, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Before a model loads: an FP8 LM head of ``rows`` (this rank's vocabulary rows) x
+    ``columns`` can be made, or an error that says why."""
+    if fp8 is None:
+        raise ValueError(
+            "quantize_lm_head needs FP8 weights: quantization fp8, or an FP8 checkpoint"
+        )
+    if rows % 16 or columns % 16:
+        raise ValueError(
+            f"quantize_lm_head: the LM head's {rows} x {columns} weight (this rank's vocabulary "
+            "rows x hidden size) is not in multiples of 16, which FP8 products need"
+        )
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantize_lm_head computes in bfloat16 on the GPU, not {dtype}: set the dtype to "
+            "bfloat16"
+        )
+
+
+def fp8_lm_head(model: nn.Module) -> None:
+    """After the checkpoint loaded: the LM head's weight in e4m3 with a scale per vocabulary
+    row (max|w| / 448), its products those of a per-channel layer (``ChannelFp8``; at one or
+    two rows ``gemv``). Half the bytes a decode step reads for the head (for Qwen3-8B, 1.24 of
+    ~9 GB of weights in FP8), for logits that carry the head's rounding as well. Its own copy
+    when the head shares the embedding's weight (the embedding stays as it is)."""
+    head = model.lm_head
+    rows, columns = head.weight.shape
+    weight = head.weight.data
+    quantized = torch.empty(rows, columns, dtype=FP8, device=weight.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    for first in range(0, rows, _HEAD_ROWS):
+        w = weight[first : first + _HEAD_ROWS].float()
+        s = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        quantized[first : first + _HEAD_ROWS] = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[first : first + _HEAD_ROWS] = s
+    head.weight = nn.Parameter(quantized, requires_grad=False)
+    head.weight_scale = nn.Parameter(scale, requires_grad=False)
+    head.quant = ChannelFp8()
+
+
 def _fp8_only(loader):
     def load(param: nn.Parameter, source: WeightSource, shard_id=None) -> None:
         if source.dtype != FP8:
@@ -200,8 +247,9 @@ def _block_scale_loader(layer: LinearBase, name: str, block: tuple[int, int]):
     return load
 
 
-def dequantize(layer: LinearBase) -> torch.Tensor:
-    """A layer's weight as its FP8 form stands for it, float32 [out, in]."""
+def dequantize(layer: nn.Module) -> torch.Tensor:
+    """A layer's weight (a linear layer's or the LM head's) as its FP8 form stands for it,
+    float32 [out, in]."""
     w = layer.weight.float()
     if isinstance(layer.quant, BlockFp8):
         bi = layer.quant.block
@@ -276,13 +324,14 @@ WIDEN_ROWS = 16
 class ChannelFp8:
     """A per-channel e4m3 weight times per-token e4m3 activations: torch._scaled_mm on GPUs
     with FP8 tensor cores (up to ``WIDEN_ROWS`` rows: the weight widened, the activations not
-    rounded), the same arithmetic in float32 elsewhere."""
+    rounded), the same arithmetic in float32 elsewhere. The layer: a linear layer or the LM
+    head (its ``weight`` and ``weight_scale``)."""
 
-    def scales(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
+    def scales(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
         """The weight's scales [out, 1] (one a row) and the columns a scale covers (all)."""
         return layer.weight_scale[:, None], layer.weight.shape[1]
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
         shape = x.shape
         n, k = layer.weight.shape
         x2 = x.reshape(-1, shape[-1])

@@ -98,6 +98,7 @@ def profile_engine(
             attention_backend=runner.backend.name,
             kv_cache_dtype="fp8" if config.fp8_kv_cache else "auto",
             quantization=config.quantization or ("fp8" if "quantization_config" in mc.raw else ""),
+            quantize_lm_head=config.quantize_lm_head,
         )
         device = describe_device(runner.device)
     finally:

@@ -9,6 +9,11 @@ from torch import nn
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.weights import WeightSource
 
+try:
+    from nano_models.layers import gemv
+except ImportError:  # (no Triton: a CPU install)
+    gemv = None
+
 
 class VocabParallelEmbedding(nn.Module):
     """Rows of the vocabulary split over ranks (the last shard padded); each rank embeds the
@@ -39,9 +44,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits: each rank computes its vocabulary shard; rank 0 gathers the full
-    logits (other ranks get None)."""
+    logits (other ranks get None). ``quant``: the weight in e4m3 with a scale a row
+    (``nano_models.quantization.fp8_lm_head``), else None."""
+
+    quant = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         logits = self.tp.gather(logits)
         return None if logits is None else logits[..., : self.vocab_size]
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's logits [R, shard_size]."""
+        if self.quant is None:
+            return F.linear(hidden, self.weight)
+        if gemv is not None and gemv.usable(hidden, self.weight, scaled=True):
+            return gemv.gemv(hidden, self.weight, None, gemv.Scales(*self.quant.scales(self)))
+        return self.quant.apply(self, hidden, None)

@@ -62,6 +62,7 @@ class EngineSettings:
     attention_backend: str = ""
     kv_cache_dtype: str = "auto"  # ("fp8": e4m3 K and V)
     quantization: str = ""  # the weights' ("fp8", a checkpoint's "fp8"; "": none)
+    quantize_lm_head: bool = False  # the LM head's weight in e4m3 too
 
 
 @dataclass
@@ -467,7 +468,15 @@ def _point(data: Any, where: str) -> GridPoint:
 
 def _engine(data: dict) -> EngineSettings:
     known = {f.name for f in fields(EngineSettings)}
-    optional = {"tensor_parallel_size", "dtype", "attention_backend", "piecewise_graphs"}
+    optional = {
+        "tensor_parallel_size",
+        "dtype",
+        "attention_backend",
+        "piecewise_graphs",
+        "kv_cache_dtype",
+        "quantization",
+        "quantize_lm_head",
+    }
     missing = sorted(known - set(data) - optional)
     if missing:
         raise ValueError(f"engine lacks {missing}")
@@ -494,6 +503,9 @@ def _engine(data: dict) -> EngineSettings:
     values["tensor_parallel_size"] = _count(data, "tensor_parallel_size", "engine", 1, low=1)
     values["dtype"] = _str(data, "dtype", "engine", "bfloat16")
     values["attention_backend"] = _str(data, "attention_backend", "engine", "")
+    values["kv_cache_dtype"] = _str(data, "kv_cache_dtype", "engine", "auto")
+    values["quantization"] = _str(data, "quantization", "engine", "")
+    values["quantize_lm_head"] = _bool(data, "quantize_lm_head", "engine", False)
     return EngineSettings(**values)
 
 
