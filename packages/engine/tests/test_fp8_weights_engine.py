@@ -41,6 +41,23 @@ def test_an_fp8_checkpoint_generates_what_its_weights_stand_for(fp8, mode):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_fp8_mixture_of_experts_generates_what_its_weights_stand_for(checkpoints, tmp_path, tp):
+    """Qwen3-MoE in Qwen3-FP8's format (experts and attention in e4m3, routers not), with
+    chunked prefill, and its experts split over two ranks."""
+    source = checkpoints("qwen3_moe")
+    path, plain = fp8_checkpoint(source, tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    expected = hf_greedy(str(plain), sample_prompts())
+    options = {"kvcache_block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+    with LLM(str(path), device="cpu", tensor_parallel_size=tp, **options) as llm:
+        outputs = llm.generate(sample_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if tp == 2:  # (16 intermediate columns a rank would cut blocks of 32)
+        cut, _ = fp8_checkpoint(source, tmp_path / "cut", tmp_path / "cut-plain", (16, 32))
+        with pytest.raises(ValueError, match=r"experts' 32 intermediate columns split over 2"):
+            LLM(str(cut), device="cpu", tensor_parallel_size=2, kvcache_block_size=4)
+
+
 def test_a_tensor_parallel_split_that_cuts_weight_blocks_is_refused(checkpoints, tmp_path):
     path, _ = fp8_checkpoint(checkpoints("qwen3"), tmp_path / "fp8", tmp_path / "plain", (16, 96))
     with pytest.raises(ValueError, match=r"o_proj: its 128 input columns split over 2 .* 96"):

@@ -142,15 +142,15 @@ def test_an_fp8_cache_keeps_bf16s_top5(checkpoints, model):
     assert agreement.positions >= 8 * 4
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
-    checkpoints, tmp_path
+    checkpoints, tmp_path, arch
 ):
-    """The block-scaled Triton kernel (fp32 activations) in and out of CUDA graphs."""
+    """The block-scaled Triton kernels (fp32 activations), the MoE kernels' e4m3 experts
+    too, in and out of CUDA graphs."""
     from nano_models.testing import fp8_checkpoint
 
-    path, plain = fp8_checkpoint(
-        checkpoints("qwen3"), tmp_path / "fp8", tmp_path / "plain", (16, 16)
-    )
+    path, plain = fp8_checkpoint(checkpoints(arch), tmp_path / "fp8", tmp_path / "plain", (16, 16))
     expected = hf_greedy(str(plain), sample_prompts())
     for eager in (True, False):
         options = {"device": "cuda", "dtype": "float32", "enforce_eager": eager}
@@ -163,8 +163,9 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
         assert [o.outputs[0].token_ids for o in outputs] == expected, options
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("scheme", ["channel", "channel+head", "block"])
-def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_path, scheme):
+def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_path, scheme, arch):
     """Decode steps of one sequence, whose linear layers are the few-row product reading the
     e4m3 weights and their scales (quantization="fp8", with the LM head in e4m3 too or not; an
     FP8 checkpoint, in bf16), against the bf16 engine on the weights they stand for: vLLM's
@@ -172,7 +173,7 @@ def test_fp8_weights_one_sequence_at_a_time_keep_bf16s_top5(checkpoints, tmp_pat
     from nano_engine.accuracy import compare
     from nano_models.testing import fp8_checkpoint
 
-    source = checkpoints("qwen3", dtype=torch.bfloat16)
+    source = checkpoints(arch, dtype=torch.bfloat16)
     if scheme.startswith("channel"):
         quantized = {"quantization": "fp8", "quantize_lm_head": scheme == "channel+head"}
         pair = [(source, {}), (source, quantized)]

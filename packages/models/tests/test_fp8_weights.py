@@ -14,7 +14,7 @@ from helpers import PagedRunner, prompts, reference_logits
 from safetensors.torch import load_file, save_file
 
 from nano_models.loader import load_model
-from nano_models.quantization import FP8, BlockFp8, ChannelFp8, dequantize
+from nano_models.quantization import FP8, BlockFp8, ChannelFp8, ExpertsFp8, dequantize
 from nano_models.testing import build_checkpoint, fp8_checkpoint, load_reference
 
 
@@ -73,6 +73,83 @@ def test_quantizing_when_loading_computes_fp8_weights_and_activations(source):
     seqs = prompts(4, model.config.vocab_size, seed=3)
     for got, want in zip(run(ours, seqs), run(reference, seqs)):
         assert (got - want).norm() / want.norm() < 0.1
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("moe-source"), "qwen3_moe", tokenizer=False)
+
+
+@pytest.mark.parametrize("block", [(16, 16), (32, 32), (16, 48)])
+def test_an_fp8_mixture_of_experts_gives_the_logits_of_its_dequantized_weights(
+    moe_source, tmp_path, block
+):
+    """A Qwen3-MoE checkpoint in Qwen3-FP8's format: its experts in e4m3 with block scales
+    (kept a row and block of columns: (16, 48) leaves the up rows and the 32 intermediate
+    columns inside blocks), its routers in the checkpoint's dtype."""
+    fp8, plain = fp8_checkpoint(moe_source, tmp_path / "fp8", tmp_path / "plain", block)
+    ours, reference = PagedRunner(fp8), PagedRunner(plain)
+    sparse = ours.model.model.layers[0].mlp
+    assert sparse.experts.w13_weight.dtype == FP8 and sparse.experts.w2_weight.dtype == FP8
+    assert isinstance(sparse.experts.quant, ExpertsFp8)
+    assert sparse.gate.weight.dtype == torch.float32 and sparse.gate.quant is None
+    seqs = prompts(6, ours.model.config.vocab_size, seed=4)
+    for got, want in zip(run(ours, seqs), run(reference, seqs)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    hf = load_reference(plain)
+    for seq in seqs[:2]:
+        (logits,) = PagedRunner(fp8).step([(0, seq, 0)], 1)
+        torch.testing.assert_close(logits, reference_logits(hf, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_quantizing_a_mixture_of_experts_when_loading(moe_source):
+    """quantization="fp8": each expert's rows in e4m3 with a scale a row, the products of the
+    activations as they are (independent arithmetic here); the routers stay."""
+    model, _ = load_model(moe_source, dtype=torch.float32, quantization="fp8")
+    full, _ = load_model(moe_source, dtype=torch.float32)
+    experts, dense = model.model.layers[1].mlp.experts, full.model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == FP8 and model.model.layers[1].mlp.gate.quant is None
+    w13, w2 = dense.w13_weight, dense.w2_weight
+    s13, s2 = (w.abs().amax(dim=2, keepdim=True) / 448 for w in (w13, w2))
+    torch.testing.assert_close(experts.w13_weight_scale, s13)
+    torch.testing.assert_close(experts.w2_weight_scale, s2)
+    x = torch.randn(5, w13.shape[2])
+    logits = torch.randn(5, w13.shape[0])
+    w13_8 = (w13.double() / s13).to(FP8).double() * s13
+    w2_8 = (w2.double() / s2).to(FP8).double() * s2
+    weights, ids = torch.topk(torch.softmax(logits.double(), -1), experts_per_token(model), -1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    want = torch.zeros(5, w13.shape[2], dtype=torch.float64)
+    for t in range(5):
+        for slot, e in enumerate(ids[t].tolist()):
+            gate, up = (w13_8[e] @ x[t].double()).chunk(2)
+            want[t] += weights[t, slot] * (w2_8[e] @ (torch.nn.functional.silu(gate) * up))
+    got = experts(x, logits, experts_per_token(model), True)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    ours, reference = PagedRunner(moe_source), PagedRunner(moe_source)
+    ours.model = model
+    ours.model.bind_kv_cache(ours.cache)
+    seqs = prompts(4, model.config.vocab_size, seed=3)
+    for got, want in zip(run(ours, seqs), run(reference, seqs)):
+        assert (got - want).norm() / want.norm() < 0.1
+
+
+def experts_per_token(model) -> int:
+    return model.config.raw["num_experts_per_tok"]
+
+
+def test_bad_fp8_experts_are_named(moe_source, tmp_path):
+    fp8, _ = fp8_checkpoint(moe_source, tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    (weights,) = fp8.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    save_file({k: v for k, v in tensors.items() if k != name}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing .*experts\.2\.up_proj\.weight_scale_inv"):
+        load_model(fp8)
+    tensors[name] = tensors[name][:1]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.2\.up_proj\.weight_scale_inv has shape"):
+        load_model(fp8)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -160,9 +237,6 @@ def test_bad_fp8_checkpoints_and_settings_are_named(source, tmp_path):
             load_model(broken)
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(source, quantization="int4")
-    moe = build_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False)
-    with pytest.raises(ValueError, match="mixture of experts are not supported yet"):
-        load_model(moe, quantization="fp8")
 
 
 def test_dummy_fp8_weights(source):

@@ -110,7 +110,9 @@ def test_routed_moe_takes_the_rows_up_to_rows_tokens(monkeypatch):
 
     calls = []
     real = rows.routed_moe_rows
-    monkeypatch.setattr(rows, "routed_moe_rows", lambda *a: calls.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(
+        rows, "routed_moe_rows", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)
+    )
     for tokens in (ROWS_TOKENS, ROWS_TOKENS + 1):
         x, w13, w2 = problem(tokens, 8, 32, 64, torch.float32, seed=tokens)
         logits = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(5)).to(DEVICE)

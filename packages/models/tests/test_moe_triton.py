@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from nano_models.layers.moe import moe_torch, route
+from nano_models.layers.moe import ExpertScales, moe_torch, route
 from nano_models.layers.moe_tiles import as_kwargs, choose, rule
 from nano_models.layers.moe_triton import (
     align,
@@ -188,6 +188,52 @@ def test_fused_moe_matches_float64(tokens, experts, inter, hidden, top_k, kind, 
     torch.testing.assert_close(out.double().cpu(), want, **tol)
     # The torch path (the CPU's) agrees as well.
     torch.testing.assert_close(moe_torch(x, w13, w2, weights, ids).double().cpu(), want, **tol)
+
+
+def e4m3_experts(w: torch.Tensor, block: int) -> tuple[torch.Tensor, ExpertScales, torch.Tensor]:
+    """w [E, N, K] in e4m3 with a float32 scale a row and block of ``block`` columns (max|w| /
+    448 of each; the last block may be short), and the float64 weight they stand for."""
+    e, n, k = w.shape
+    blocks = -(-k // block)
+    padded = torch.zeros(e, n, blocks * block, dtype=torch.float64)
+    padded[..., :k] = w.double().cpu()
+    scale = padded.view(e, n, blocks, block).abs().amax(dim=-1) / 448
+    full = scale.repeat_interleave(block, dim=-1)[..., :k]
+    w8 = (w.double().cpu() / full).to(torch.float8_e4m3fn)
+    scales = ExpertScales(scale.float().to(DEVICE), block)
+    return (
+        w8.to(DEVICE),
+        scales,
+        w8.double() * scale.float().double().repeat_interleave(block, dim=-1)[..., :k],
+    )
+
+
+@pytest.mark.parametrize("block", [32, 48, 128, "row"])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 37])
+def test_e4m3_experts_match_float64(tokens, block):
+    """Experts in e4m3 with a scale a row and block of input columns (an FP8 checkpoint's; 48
+    leaves partial blocks; "row": quantization="fp8"'s one a row), through the router's path:
+    the rows kernels up to ROWS_TOKENS tokens, the grouped GEMMs past them; against float64
+    products of the weights they stand for, and the torch experts (the CPU's path)."""
+    experts, inter, hidden, top_k = 8, 96, 256, 2
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    w13, w2 = weights_of(experts, inter, hidden, torch.float32, seed=tokens + 1)
+    w13_8, s13, dense13 = e4m3_experts(w13, hidden if block == "row" else block)
+    w2_8, s2, dense2 = e4m3_experts(w2, inter if block == "row" else block)
+    logits = torch.randn(tokens, experts, generator=g).to(DEVICE)
+    weights, ids = route(logits, top_k, True, dtype)
+    out = routed_moe(x, logits, w13_8, w2_8, top_k, True, scales=(s13, s2))
+    want = reference(x, dense13, dense2, weights, ids)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double().cpu(), want, **tol)
+    torch.testing.assert_close(
+        moe_torch(x, w13_8, w2_8, weights, ids, scales=(s13, s2)).double().cpu(), want, **tol
+    )
+    with pytest.raises(ValueError, match="e4m3 experts come with their scales"):
+        routed_moe(x, logits, w13_8, w2_8, top_k, True)
 
 
 @pytest.mark.parametrize("tile", sorted({rule(t, 2)[0] for t in (1, 100, 1000, 10_000)}))

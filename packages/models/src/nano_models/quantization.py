@@ -24,6 +24,10 @@ sum scaled, the activations as they are, the layer's norm in its prologue, SiLU-
 gate/up product's epilogue.
 Elsewhere (the CPU) both compute in float32 from the dequantized weights, the block scheme
 without rounding the activations: the reference the GPU paths are tested against.
+
+A mixture of experts' experts take either scheme too (``ExpertsFp8``: scales a row and block
+of input columns, or a row), their products in the MoE kernels with the weight widened in
+registers and the activations as they are; its routers stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -113,19 +117,51 @@ class Fp8Config:
 
 
 def fp8_layers(model: nn.Module, config: Fp8Config) -> list[tuple[str, LinearBase]]:
-    """The linear layers that take FP8 weights (a mixture of experts: an error)."""
+    """The linear layers that take FP8 weights: all but those the checkpoint keeps in its
+    dtype and the routers of mixtures of experts (kept in the model's dtype, as vLLM keeps
+    them)."""
+    from nano_models.layers.moe import SparseMoeBlock
+
+    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LinearBase)
+        and name not in routers
+        and not _ignored(name, config.ignored)
+    ]
+
+
+def fp8_experts(model: nn.Module, config: Fp8Config) -> list[tuple[str, nn.Module]]:
+    """The experts (``FusedMoE``) that take FP8 weights."""
     from nano_models.layers.moe import FusedMoE
 
-    layers = []
-    for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            raise ValueError(
-                "FP8 weights for a mixture of experts are not supported yet (its experts "
-                f"{name}): load the checkpoint in bf16"
-            )
-        if isinstance(module, LinearBase) and not _ignored(name, config.ignored):
-            layers.append((name, module))
-    return layers
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE) and not _ignored(name, config.ignored)
+    ]
+
+
+class ExpertsFp8:
+    """A layer's experts in e4m3: ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] with
+    float32 scales a row and block of input columns (``ExpertScales``): a block checkpoint's
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` (blocks of its columns), or
+    ``quantization="fp8"``'s ``w13_weight_scale`` / ``w2_weight_scale`` (a scale a row). The
+    products: the MoE kernels widen the weight in registers and keep the activations as they
+    are (W8A16); on the CPU float32 products of the dequantized weights."""
+
+    def __init__(self, suffix: str, w13_block: int, w2_block: int) -> None:
+        self.suffix, self.w13_block, self.w2_block = suffix, w13_block, w2_block
+
+    def scales(self, experts: nn.Module):
+        """(w13's, w2's) ``ExpertScales``."""
+        from nano_models.layers.moe import ExpertScales
+
+        return (
+            ExpertScales(getattr(experts, "w13_" + self.suffix), self.w13_block),
+            ExpertScales(getattr(experts, "w2_" + self.suffix), self.w2_block),
+        )
 
 
 def _ignored(name: str, ignored: tuple[str, ...]) -> bool:
@@ -154,6 +190,31 @@ def prepare_block_fp8(model: nn.Module, config: Fp8Config) -> None:
         layer.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         layer.weight_scale_inv.weight_loader = _block_scale_loader(layer, name, config.block)
         layer.quant = BlockFp8(bi)
+    for name, experts in fp8_experts(model, config):
+        bi = config.block[1]
+        e, local, hidden = experts.num_experts, experts.local, experts.hidden_size
+        if experts.tp.size > 1 and local % bi:
+            raise ValueError(
+                f"{name}: its experts' {experts.intermediate_size} intermediate columns split "
+                f"over {experts.tp.size} tensor-parallel ranks ({local} each) would cut "
+                f"weight blocks of {bi} columns: choose a tensor-parallel size that keeps "
+                "blocks whole"
+            )
+        device = experts.w13_weight.device
+        for attr, shape, scale_shape, loader, scale_loader in zip(
+            ("w13", "w2"),
+            ((e, 2 * local, hidden), (e, hidden, local)),
+            ((e, 2 * local, math.ceil(hidden / bi)), (e, hidden, math.ceil(local / bi))),
+            (experts.w13_loader, experts.w2_loader),
+            experts.block_scale_loaders(config.block),
+        ):
+            weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), False)
+            weight.weight_loader = _fp8_only(loader)
+            setattr(experts, f"{attr}_weight", weight)
+            scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
+            setattr(experts, f"{attr}_weight_scale_inv", nn.Parameter(scales, False))
+            getattr(experts, f"{attr}_weight_scale_inv").weight_loader = scale_loader
+        experts.quant = ExpertsFp8("weight_scale_inv", bi, bi)
 
 
 def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
@@ -168,6 +229,18 @@ def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
         layer.weight = nn.Parameter(quantized, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.quant = ChannelFp8()
+    for _, experts in fp8_experts(model, config):
+        for attr in ("w13", "w2"):
+            w = getattr(experts, f"{attr}_weight").data
+            quantized = torch.empty(w.shape, dtype=FP8, device=w.device)
+            scale = torch.empty(*w.shape[:2], 1, dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):  # (an expert at a time: no float32 copy of them all)
+                we = w[e].float()
+                scale[e, :, 0] = (we.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+                quantized[e] = (we / scale[e]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            setattr(experts, f"{attr}_weight", nn.Parameter(quantized, requires_grad=False))
+            setattr(experts, f"{attr}_weight_scale", nn.Parameter(scale, requires_grad=False))
+        experts.quant = ExpertsFp8("weight_scale", experts.hidden_size, experts.local)
 
 
 # Vocabulary rows of the LM head quantized at a time (a float32 copy of a few of them at once,

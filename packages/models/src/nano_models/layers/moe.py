@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,16 +55,39 @@ def route(
     return weights.to(dtype), ids
 
 
+class ExpertScales(NamedTuple):
+    """The scales of an e4m3 expert weight [E, N, K]: ``values`` float32 [E, N, ceil(K /
+    block)]; the weight's element (e, n, k) stands for w[e, n, k] * values[e, n, k // block]
+    (one column: a scale per row)."""
+
+    values: torch.Tensor
+    block: int
+
+
+def dequantize_expert(
+    w: torch.Tensor, scales: ExpertScales, e: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Expert ``e``'s e4m3 weight [N, K] as it stands for it, in ``dtype``."""
+    k = w.shape[2]
+    full = scales.values[e].to(dtype).repeat_interleave(scales.block, dim=1)[:, :k]
+    return w[e].to(dtype) * full
+
+
 def moe_torch(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    scales: tuple[ExpertScales, ExpertScales] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], w13 [E, 2I, H], w2 [E, H, I]:
-    [T, H] in x's dtype, each expert run once on the tokens that chose it."""
+    [T, H] in x's dtype, each expert run once on the tokens that chose it. ``scales``: w13's
+    and w2's when they are e4m3 (each expert's weights dequantized, its products in float32,
+    float64 for float64 x, the activations as they are)."""
     out = torch.zeros_like(x)
+    s13, s2 = scales or (None, None)
+    wide = torch.promote_types(x.dtype, torch.float32)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -74,14 +99,22 @@ def moe_torch(
         pairs = order[start : start + count]
         rows = tokens[start : start + count]
         start += count
-        h = silu_and_mul(F.linear(x[rows], w13[expert]))
-        y = F.linear(h, w2[expert]) * weights.flatten()[pairs, None]
+        if scales is None:
+            h = silu_and_mul(F.linear(x[rows], w13[expert]))
+            y = F.linear(h, w2[expert]) * weights.flatten()[pairs, None]
+        else:
+            h = F.linear(x[rows].to(wide), dequantize_expert(w13, s13, expert, wide))
+            y = F.linear(silu_and_mul(h), dequantize_expert(w2, s2, expert, wide))
+            y = (y * weights.flatten()[pairs, None].to(wide)).to(x.dtype)
         out.index_add_(0, rows, y)
     return out
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: ``forward(x, router_logits, top_k, renormalize)``."""
+    """The experts of one layer: ``forward(x, router_logits, top_k, renormalize)``. ``quant``:
+    their weights in e4m3 (``nano_models.quantization.ExpertsFp8``), else None."""
+
+    quant = None
 
     def __init__(
         self,
@@ -108,7 +141,7 @@ class FusedMoE(nn.Module):
     def shards(self, param_name: str) -> set:
         """The checkpoint tensors a parameter is made of: (expert, 0 gate | 1 up) for w13,
         the expert for w2."""
-        if param_name.endswith("w13_weight"):
+        if param_name.rpartition(".")[2].startswith("w13_"):
             return {(e, j) for e in range(self.num_experts) for j in (0, 1)}
         return set(range(self.num_experts))
 
@@ -131,17 +164,54 @@ class FusedMoE(nn.Module):
         source.expect_shape((self.hidden_size, self.intermediate_size))
         param.data[expert].copy_(source.narrow(1, self.tp.rank * self.local, self.local))
 
+    def block_scale_loaders(self, block: tuple[int, int]):
+        """The loaders of an FP8 checkpoint's ``weight_scale_inv`` of each expert's gate, up
+        and down projections ([ceil(rows / bo), ceil(columns / bi)] each) into the experts'
+        scales a row and input block: (w13's, w2's)."""
+        bo, bi = block
+        first = self.tp.rank * self.local  # (this rank's first intermediate row / column)
+
+        def read(source: WeightSource, shape: tuple[int, int]) -> torch.Tensor:
+            source.expect_shape(shape)
+            if not source.dtype.is_floating_point:
+                raise ValueError(f"{source.name} is {source.dtype}, not floating point")
+            return source.read().float()
+
+        def w13(param: nn.Parameter, source: WeightSource, shard) -> None:
+            expert, part = self._expert(source, shard), shard[1]
+            scales = read(
+                source,
+                (math.ceil(self.intermediate_size / bo), math.ceil(self.hidden_size / bi)),
+            )
+            rows = torch.arange(first, first + self.local) // bo
+            span = slice(part * self.local, (part + 1) * self.local)
+            param.data[expert, span] = scales[rows].to(param.device)
+
+        def w2(param: nn.Parameter, source: WeightSource, shard) -> None:
+            expert = self._expert(source, shard)
+            scales = read(
+                source,
+                (math.ceil(self.hidden_size / bo), math.ceil(self.intermediate_size / bi)),
+            )
+            rows = torch.arange(self.hidden_size) // bo
+            cols = slice(first // bi, first // bi + math.ceil(self.local / bi))
+            param.data[expert] = scales[rows][:, cols].to(param.device)
+
+        return w13, w2
+
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> torch.Tensor:
         """The experts of the router's top-k choice (``route`` of ``router_logits``)."""
         w13, w2 = self.w13_weight, self.w2_weight
+        scales = None if self.quant is None else self.quant.scales(self)
         if fused_available(x.device):
             from nano_models.layers.moe_triton import routed_moe
 
-            out = routed_moe(x, router_logits, w13, w2, top_k, renormalize)
+            out = routed_moe(x, router_logits, w13, w2, top_k, renormalize, scales=scales)
         else:
-            out = moe_torch(x, w13, w2, *route(router_logits, top_k, renormalize, x.dtype))
+            routing = route(router_logits, top_k, renormalize, x.dtype)
+            out = moe_torch(x, w13, w2, *routing, scales=scales)
         return self.tp.all_reduce(out)
 
 

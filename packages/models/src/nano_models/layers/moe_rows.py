@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nano_kvcache.launch import launch_options, pdl
+from nano_models.layers.moe import ExpertScales
 from nano_models.layers.moe_triton import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
@@ -55,12 +56,14 @@ def routed_moe_rows(
     renormalize: bool,
     up_tile: tuple[int, int, int] | None = None,
     down_tile: tuple[int, int, int] | None = None,
+    scales: tuple[ExpertScales, ExpertScales] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) of the router's choice (softmax of
     ``router_logits`` [T, E] in float32, top-k, renormalized with ``renormalize``): x [T, H],
-    w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> [T, H] in x's dtype."""
+    w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I] -> [T, H] in x's dtype. ``scales``:
+    w13's and w2's, e4m3 weights (each value widened and scaled as it is read)."""
     weights, ids = route_triton(router_logits, top_k, renormalize, torch.float32, pdl=True)
-    return moe_rows(x, w13, w2, weights, ids, up_tile, down_tile)
+    return moe_rows(x, w13, w2, weights, ids, up_tile, down_tile, scales)
 
 
 def moe_rows(
@@ -71,10 +74,11 @@ def moe_rows(
     ids: torch.Tensor,
     up_tile: tuple[int, int, int] | None = None,
     down_tile: tuple[int, int, int] | None = None,
+    scales: tuple[ExpertScales, ExpertScales] | None = None,
 ) -> torch.Tensor:
     """The experts of given routing: ``weights`` [T, k] (any float dtype), ``ids`` [T, k];
     shapes as ``routed_moe_rows``'s. Tiles: (BLOCK_N, BLOCK_K, num_warps) of the two launches
-    (default ``UP_TILE``, ``DOWN_TILE``)."""
+    (default ``UP_TILE``, ``DOWN_TILE``). ``scales``: w13's and w2's, e4m3 weights."""
     tokens, top_k = ids.shape
     _, inter2, hidden = w13.shape
     inter = inter2 // 2
@@ -82,6 +86,21 @@ def moe_rows(
         return x.new_empty(0, hidden)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("the experts' weights must be contiguous along their input dimension")
+    e4m3 = w13.dtype == torch.float8_e4m3fn
+    if (scales is not None) != e4m3 or (w2.dtype == torch.float8_e4m3fn) != e4m3:
+        raise ValueError(
+            f"experts of {w13.dtype} and {w2.dtype}: e4m3 experts come with their scales, "
+            "others without"
+        )
+    s13, s2 = scales or (ExpertScales(x, 0), ExpertScales(x, 0))
+    for w, sc in ((w13, s13), (w2, s2)) if e4m3 else ():
+        v = sc.values
+        if v.shape[:2] != w.shape[:2] or v.shape[2] != -(-w.shape[2] // sc.block):
+            raise ValueError(
+                f"scales {tuple(v.shape)} of blocks of {sc.block} do not fit {tuple(w.shape)}"
+            )
+        if v.stride(2) != 1:
+            raise ValueError("the experts' scales must be contiguous along their last dimension")
     x = x if x.stride(1) == 1 else x.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
@@ -97,7 +116,11 @@ def moe_rows(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        s13.values,
+        s13.values.stride(0),
+        s13.values.stride(1),
         TOP_K=top_k,
+        SCALE_BLOCK=s13.block,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=dependent,
@@ -121,7 +144,11 @@ def moe_rows(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        s2.values,
+        s2.values.stride(0),
+        s2.values.stride(1),
         TOP_K=top_k,
+        SCALE_BLOCK=s2.block,
         SLOTS=slots,
         BLOCK_N=block_n,
         BLOCK_K=max(16, block_k),
@@ -147,13 +174,18 @@ def _gate_up_rows(
     stride_x,
     stride_we,
     stride_wn,
+    scales,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[pair, n] = SiLU(x[token] . gate_n) * (x[token] . up_n) for the BLOCK_N outputs n of
-    this program, gate_n and up_n rows n and N + n of the pair's expert in ``w13``."""
+    this program, gate_n and up_n rows n and N + n of the pair's expert in ``w13``.
+    SCALE_BLOCK > 0: w13 is e4m3, its (e, n, k) scaled by scales[e, n, k // SCALE_BLOCK]."""
     if PDL:  # (the routing, then the down launch may start)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -164,6 +196,8 @@ def _gate_up_rows(
     x_row = x + (pair // TOP_K).to(tl.int64) * stride_x
     gate_rows = w13 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     up_rows = gate_rows + N * stride_wn
+    gate_scales = scales + expert * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+    up_scales = gate_scales + N * stride_sn
     live_n = offs_n < N
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -172,8 +206,13 @@ def _gate_up_rows(
         live_k = k < K
         a = tl.load(x_row + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
         mask = live_n[:, None] & live_k[None, :]
-        gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
-        up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        g = tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SCALE_BLOCK:
+            g *= tl.load(gate_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
+            u *= tl.load(up_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
+        gate += g * a
+        up += u * a
     g = tl.sum(gate, 1)
     out = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
     tl.store(h + pair.to(tl.int64) * N + offs_n, out.to(h.dtype.element_ty), mask=live_n)
@@ -191,7 +230,11 @@ def _down_rows(
     stride_we,
     stride_wn,
     stride_out,
+    scales,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -200,7 +243,8 @@ def _down_rows(
     """out[token, n] = sum over the token's pairs of weight * (h[pair] . down_n of the pair's
     expert), for the BLOCK_N outputs n of this program; float32 throughout, rounded once. The
     k experts' rows are one tile: row r is slot r // BLOCK_N (SLOTS: TOP_K rounded up to a
-    power of two), output r % BLOCK_N."""
+    power of two), output r % BLOCK_N. SCALE_BLOCK > 0: w2 is e4m3, its (e, n, k) scaled by
+    scales[e, n, k // SCALE_BLOCK]."""
     token = tl.program_id(0)
     r = tl.arange(0, SLOTS * BLOCK_N)
     slot = r // BLOCK_N
@@ -213,18 +257,28 @@ def _down_rows(
     expert = tl.load(ids + pair, mask=live_r, other=0).to(tl.int64)
     scale = tl.load(weights + pair, mask=live_r, other=0.0).to(tl.float32)
     rows = w2 + expert[:, None] * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    row_scales = scales + expert[:, None] * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
     live_k = offs_k < K
     tile = tl.load(rows + offs_k[None, :], mask=live_r[:, None] & live_k[None, :], other=0.0)
+    tile = tile.to(tl.float32)
+    if SCALE_BLOCK:
+        tile *= tl.load(
+            row_scales + (offs_k // SCALE_BLOCK)[None, :],
+            mask=live_r[:, None] & live_k[None, :],
+            other=0.0,
+        )
     if PDL:  # (h is complete)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     h_rows = h + pair.to(tl.int64)[:, None] * K
     a = tl.load(h_rows + offs_k[None, :], mask=live_r[:, None] & live_k[None, :], other=0.0)
-    part = tl.sum(tile.to(tl.float32) * a.to(tl.float32), 1)
+    part = tl.sum(tile * a.to(tl.float32), 1)
     for start in range(BLOCK_K, K, BLOCK_K):
         k = start + offs_k
         mask = live_r[:, None] & (k < K)[None, :]
         w = tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SCALE_BLOCK:
+            w *= tl.load(row_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
         part += tl.sum(w * tl.load(h_rows + k[None, :], mask=mask, other=0.0).to(tl.float32), 1)
     y = tl.sum(tl.reshape(part * scale, [SLOTS, BLOCK_N]), 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

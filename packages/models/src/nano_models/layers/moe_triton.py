@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nano_kvcache.launch import launch_options
 from nano_kvcache.launch import pdl as pdl_here
-from nano_models.layers.moe import route
+from nano_models.layers.moe import ExpertScales, route
 from nano_models.layers.triton_tiles import grouped_tile
 
 # Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
@@ -367,6 +367,15 @@ def _route_align_kernel(
 
 
 @triton.jit
+def _scaled(w, scale_ptrs, k, mask, stride_sk, SCALE_BLOCK: tl.constexpr):
+    """An e4m3 tile [BLOCK_K, BLOCK_N] (its columns k) widened and scaled, float32:
+    w[k, n] * scale[n, k // SCALE_BLOCK] (``scale_ptrs``: [1, BLOCK_N], at each row's first
+    scale)."""
+    s = tl.load(scale_ptrs + (k // SCALE_BLOCK)[:, None] * stride_sk, mask=mask, other=0.0)
+    return w.to(tl.float32) * s
+
+
+@triton.jit
 def _grouped_gemm(
     a,
     b,
@@ -386,10 +395,15 @@ def _grouped_gemm(
     stride_bk,
     stride_cm,
     stride_cn,
+    b_scale,
+    stride_se,
+    stride_sn,
+    stride_sk,
     PAIRS_PER_ROW: tl.constexpr,
     GATED: tl.constexpr,
     MUL_WEIGHTS: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -398,7 +412,10 @@ def _grouped_gemm(
     """c[pair, :N] = a[pair // PAIRS_PER_ROW, :K] @ b[expert of pair, :N, :K]^T (times the
     pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``.
     GATED: b holds 2N rows (gate, then up) and c[pair, n] = SiLU(gate_n) * up_n, both products
-    in float32 (a program reads BLOCK_N gate rows and the BLOCK_N up rows N further)."""
+    in float32 (a program reads BLOCK_N gate rows and the BLOCK_N up rows N further).
+    SCALE_BLOCK > 0: b is e4m3 and b[e, n, k] stands for b[e, n, k] * b_scale[e, n, k //
+    SCALE_BLOCK]: each tile widened and scaled in float32, then rounded to a's dtype for the
+    product."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(length, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(used):
@@ -412,6 +429,7 @@ def _grouped_gemm(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    s_ptrs = b_scale + expert * stride_se + offs_n[None, :] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
@@ -419,10 +437,15 @@ def _grouped_gemm(
         x = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < left), other=0.0)
         b_mask = (offs_k[:, None] < left) & (offs_n[None, :] < N)
         w = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if SCALE_BLOCK:
+            w = _scaled(w, s_ptrs, step * BLOCK_K + offs_k, b_mask, stride_sk, SCALE_BLOCK)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         if GATED:
             u = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
-            acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
+            if SCALE_BLOCK:
+                u_scales = s_ptrs + N * stride_sn
+                u = _scaled(u, u_scales, step * BLOCK_K + offs_k, b_mask, stride_sk, SCALE_BLOCK)
+            acc_up = tl.dot(x, u.to(x.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -442,16 +465,27 @@ def grouped_gemm(
     weights: torch.Tensor | None,
     tile: dict,
     gated: bool = False,
+    scales: ExpertScales | None = None,
 ) -> None:
     """``out`` [pairs, N] = rows of ``a`` [pairs / pairs_per_row, K] times their experts'
     ``b`` [E, N, K] (transposed), scaled by ``weights`` [pairs] when given; ``aligned``: from
     ``align`` with the tile's BLOCK_M. ``gated``: ``b`` is [E, 2N, K] (gate rows, then up)
     and ``out`` SiLU(gate) * up. The tile's BLOCK_N counts the rows of ``b`` a program reads
-    (gated: half of them gate rows, half up rows)."""
+    (gated: half of them gate rows, half up rows). ``scales``: ``b`` is e4m3 with these."""
     sorted_pairs, tile_experts, used = aligned
     n, k = out.shape[1], b.shape[2]
     if b.shape[1] != (2 * n if gated else n):
         raise ValueError(f"b {tuple(b.shape)} does not fit out {tuple(out.shape)}")
+    if (scales is not None) != (b.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"b is {b.dtype}: e4m3 experts come with their scales, others without")
+    if scales is not None and (
+        scales.values.shape[:2] != b.shape[:2] or scales.values.shape[2] != -(-k // scales.block)
+    ):
+        raise ValueError(
+            f"scales {tuple(scales.values.shape)} of blocks of {scales.block} do not fit b "
+            f"{tuple(b.shape)}"
+        )
+    s = scales.values if scales is not None else out
     tile = {**tile, "BLOCK_N": tile["BLOCK_N"] // 2} if gated else tile
     length = sorted_pairs.numel()
     grid = (triton.cdiv(length, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
@@ -474,9 +508,14 @@ def grouped_gemm(
         b.stride(2),
         out.stride(0),
         out.stride(1),
+        s,
+        s.stride(0),
+        s.stride(1),
+        s.stride(2) if scales is not None else 0,
         PAIRS_PER_ROW=pairs_per_row,
         GATED=gated,
         MUL_WEIGHTS=weights is not None,
+        SCALE_BLOCK=scales.block if scales is not None else 0,
         # (float32 as torch computes it, not in TF32; lower precisions are exact either way)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **tile,
@@ -490,14 +529,15 @@ def fused_moe(
     weights: torch.Tensor,
     ids: torch.Tensor,
     tiles: tuple[dict, dict] | None = None,
+    scales: tuple[ExpertScales, ExpertScales] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), an expert being (SiLU(x W_gate) * x W_up)
     W_down: x [T, H], w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I], weights [T, k],
     ids [T, k] -> [T, H] in x's dtype. ``tiles``: the two launches' tile settings (default:
-    ``moe_tiles.choose``)."""
+    ``moe_tiles.choose``). ``scales``: w13's and w2's, e4m3 weights."""
     tiles = tiles or _tiles(x, w13, ids.shape[1])
     aligned = align(ids, w13.shape[0], tiles[0]["BLOCK_M"])
-    return _experts(x, w13, w2, weights, ids, aligned, tiles)
+    return _experts(x, w13, w2, weights, ids, aligned, tiles, scales)
 
 
 def routed_moe(
@@ -508,19 +548,23 @@ def routed_moe(
     top_k: int,
     renormalize: bool,
     tiles: tuple[dict, dict] | None = None,
+    scales: tuple[ExpertScales, ExpertScales] | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` of the router's choice (``route`` of ``router_logits`` [T, E]), the
     routing and the alignment in one launch for decode-sized batches (``route_align``); up to
-    ``moe_rows.ROWS_TOKENS`` tokens (and no ``tiles`` given), ``moe_rows``' launches."""
+    ``moe_rows.ROWS_TOKENS`` tokens (and no ``tiles`` given), ``moe_rows``' launches.
+    ``scales``: w13's and w2's, e4m3 weights."""
     from nano_models.layers import moe_rows
 
     if tiles is None and x.shape[0] <= moe_rows.ROWS_TOKENS:
-        return moe_rows.routed_moe_rows(x, router_logits, w13, w2, top_k, renormalize)
+        return moe_rows.routed_moe_rows(
+            x, router_logits, w13, w2, top_k, renormalize, scales=scales
+        )
     tiles = tiles or _tiles(x, w13, top_k)
     weights, ids, aligned = route_align(
         router_logits, top_k, renormalize, x.dtype, tiles[0]["BLOCK_M"]
     )
-    return _experts(x, w13, w2, weights, ids, aligned, tiles)
+    return _experts(x, w13, w2, weights, ids, aligned, tiles, scales)
 
 
 def _tiles(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict, dict]:
@@ -530,16 +574,17 @@ def _tiles(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict, dict]:
     return choose(x.shape[0], experts, inter2 // 2, hidden, top_k, x.dtype)
 
 
-def _experts(x, w13, w2, weights, ids, aligned, tiles) -> torch.Tensor:
+def _experts(x, w13, w2, weights, ids, aligned, tiles, scales=None) -> torch.Tensor:
     """The gated gate/up launch, the weighted down launch and the sum over each token's k."""
+    s13, s2 = scales or (None, None)
     tokens, top_k = ids.shape
     experts, inter2, hidden = w13.shape
     pairs = tokens * top_k
     up_tile, down_tile = tiles
     h = torch.empty(pairs, inter2 // 2, dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, h, aligned, top_k, None, up_tile, gated=True)
+    grouped_gemm(x, w13, h, aligned, top_k, None, up_tile, gated=True, scales=s13)
     down = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     if down_tile["BLOCK_M"] != up_tile["BLOCK_M"]:
         aligned = align(ids, experts, down_tile["BLOCK_M"])
-    grouped_gemm(h, w2, down, aligned, 1, weights.reshape(-1), down_tile)
+    grouped_gemm(h, w2, down, aligned, 1, weights.reshape(-1), down_tile, scales=s2)
     return down.view(tokens, top_k, hidden).sum(dim=1)

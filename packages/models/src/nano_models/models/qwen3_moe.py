@@ -16,10 +16,14 @@ from nano_models.models.qwen3 import Qwen3ForCausalLM
 from nano_models.parallel import SINGLE, TensorParallel
 from nano_models.registry import register_model
 
-# model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (the hub's checkpoints)
+# model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (the hub's checkpoints), and
+# an FP8 checkpoint's .weight_scale_inv beside each
 _EXPERT = re.compile(
-    r"(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+    r"(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj"
+    r"\.(?P<kind>weight|weight_scale_inv)"
 )
+# our experts' parameters loaded from those tensors
+_EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 _SETTINGS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
@@ -73,23 +77,25 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         m = _EXPERT.fullmatch(name)
         if m is None:
             return None
-        expert = int(m["e"])
+        expert, kind = int(m["e"]), m["kind"]
         if m["proj"] == "down":
-            return f"{m['layer']}.w2_weight", expert
-        return f"{m['layer']}.w13_weight", (expert, 0 if m["proj"] == "gate" else 1)
+            return f"{m['layer']}.w2_{kind}", expert
+        return f"{m['layer']}.w13_{kind}", (expert, 0 if m["proj"] == "gate" else 1)
 
     def param_shards(self, param_name: str) -> set | None:
         """The shards a parameter is loaded from (None: as in every decoder)."""
-        if param_name.endswith((".experts.w13_weight", ".experts.w2_weight")):
-            return self.get_submodule(param_name.rsplit(".", 1)[0]).shards(param_name)
+        layer, _, kind = param_name.rpartition(".")
+        if layer.endswith(".experts") and kind in _EXPERT_PARAMS:
+            return self.get_submodule(layer).shards(param_name)
         return None
 
     def checkpoint_name(self, param_name: str, shard) -> str | None:
         """The checkpoint tensor of an expert parameter's shard (None: not an expert's)."""
-        layer, _, kind = param_name.rpartition(".")
-        if kind == "w13_weight":
+        layer, _, param = param_name.rpartition(".")
+        if param not in _EXPERT_PARAMS:
+            return None
+        which, _, kind = param.partition("_")  # (w13 | w2, weight | weight_scale_inv)
+        if which == "w13":
             expert, part = shard
-            return f"{layer}.{expert}.{('gate', 'up')[part]}_proj.weight"
-        if kind == "w2_weight":
-            return f"{layer}.{shard}.down_proj.weight"
-        return None
+            return f"{layer}.{expert}.{('gate', 'up')[part]}_proj.{kind}"
+        return f"{layer}.{shard}.down_proj.{kind}"
