@@ -215,7 +215,9 @@ def test_e4m3_experts_match_float64(tokens, block):
     leaves partial blocks; "row": quantization="fp8"'s one a row), through the router's path:
     the rows kernels up to ROWS_TOKENS tokens, the grouped GEMMs past them; against float64
     products of the weights they stand for, and the torch experts (the CPU's path)."""
-    experts, inter, hidden, top_k = 8, 96, 256, 2
+    # (320 intermediate columns: the down product takes them in several tiles, the last one
+    # partial, with blocks of 48 and 128 a partial block too)
+    experts, inter, hidden, top_k = 8, 320, 256, 2
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)

@@ -74,8 +74,9 @@ def test_tp2_equals_tp1_and_reads_only_its_shards(tmp_path):
         # experts split along their intermediate dimension, one all-reduce per layer
         build_checkpoint(tmp_path / "moe", "qwen3_moe", tokenizer=False, mlp_only_layers=[1]),
     ]
-    # FP8 weights with block scales, split with them (a replicated kv head's rows too).
-    for source in checkpoints[:2]:
+    # FP8 weights with block scales, split with them (a replicated kv head's rows too; the
+    # experts' rows of gate and up, and the columns of down: rank 1's scales from block 1).
+    for source in checkpoints[:3]:
         fp8, _ = fp8_checkpoint(source, f"{source}-fp8", f"{source}-plain", (16, 16))
         checkpoints.append(fp8)
     mp.spawn(

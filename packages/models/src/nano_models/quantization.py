@@ -95,6 +95,10 @@ class Fp8Config:
         ignored = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
         return cls("block", (block[0], block[1]), tuple(ignored))
 
+    def keeps(self, name: str) -> bool:
+        """Whether the checkpoint keeps module ``name`` in its dtype (not FP8)."""
+        return _ignored(name, self.ignored)
+
     def check_device(self, device: torch.device, dtype: torch.dtype) -> None:
         """FP8 weights on a GPU need FP8 conversions (compute capability 8.9: Ada, Hopper),
         Triton for block scales, and bf16 activations for per-channel ones (their products
@@ -126,9 +130,7 @@ def fp8_layers(model: nn.Module, config: Fp8Config) -> list[tuple[str, LinearBas
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, LinearBase)
-        and name not in routers
-        and not _ignored(name, config.ignored)
+        if isinstance(module, LinearBase) and name not in routers and not config.keeps(name)
     ]
 
 
@@ -139,7 +141,7 @@ def fp8_experts(model: nn.Module, config: Fp8Config) -> list[tuple[str, nn.Modul
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, FusedMoE) and not _ignored(name, config.ignored)
+        if isinstance(module, FusedMoE) and not config.keeps(name)
     ]
 
 
@@ -208,9 +210,11 @@ def prepare_block_fp8(model: nn.Module, config: Fp8Config) -> None:
             (experts.w13_loader, experts.w2_loader),
             experts.block_scale_loaders(config.block),
         ):
-            weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), False)
+            weight = getattr(experts, f"{attr}_weight")
+            if weight.dtype != FP8:  # (experts built in the model's dtype)
+                weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), False)
+                setattr(experts, f"{attr}_weight", weight)
             weight.weight_loader = _fp8_only(loader)
-            setattr(experts, f"{attr}_weight", weight)
             scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
             setattr(experts, f"{attr}_weight_scale_inv", nn.Parameter(scales, False))
             getattr(experts, f"{attr}_weight_scale_inv").weight_loader = scale_loader

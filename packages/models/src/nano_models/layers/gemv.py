@@ -289,7 +289,7 @@ def _words(weight: torch.Tensor) -> bool:
     return weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
 
 
-def _nvidia(device: torch.device) -> bool:
+def nvidia(device: torch.device) -> bool:
     """A CUDA device of NVIDIA's (PTX's FP8 conversions; not ROCm, not Triton's interpreter)."""
     return device.type == "cuda" and torch.version.hip is None
 
@@ -342,7 +342,7 @@ def _launch(
         0 if scales is None else scales.values.stride(0),
         HAS_BIAS=bias is not None,
         SCALES=_NO_SCALES if scales is None else _BLOCK_SCALES if block_s else _ROW_SCALES,
-        E4M3_ASM=scales is not None and _nvidia(x.device),
+        E4M3_ASM=scales is not None and nvidia(x.device),
         PACK=1 if scales is None else 4,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
@@ -470,7 +470,7 @@ def _rows_times(
     BLOCK_S: tl.constexpr,
 ):
     """acc[m] += input[m, start + offs_k] . tile (one slice of BLOCK_N rows), every row m."""
-    tile = _widened(tile, PACK, E4M3_ASM)
+    tile = widened(tile, PACK, E4M3_ASM)
     m_idx = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
         a = _input(
@@ -812,7 +812,7 @@ def _walk(
         )
         start = t % slices * BLOCK_K
         if HOIST:
-            values = _widened(tile, PACK, E4M3_ASM)
+            values = widened(tile, PACK, E4M3_ASM)
             part = _part(values, scales, a0, SCALES, BLOCK_S)
             acc = tl.where(m_idx[:, None] == 0, acc + part[None, :], acc)
             if BLOCK_M == 2:
@@ -906,7 +906,7 @@ def _store(
 
 
 @triton.jit
-def _widened(tile, PACK: tl.constexpr, E4M3_ASM: tl.constexpr):
+def widened(tile, PACK: tl.constexpr, E4M3_ASM: tl.constexpr):
     """A tile's values in float32. PACK 4: int32 words of four e4m3 values (the first in the
     lowest byte), [..., W] -> [..., 4 W]; with E4M3_ASM (CUDA) by two ``cvt.rn.f16x2.e4m3x2``
     of a word's halves and four ``cvt.f32.f16`` (Triton's conversion of an e4m3 tile takes

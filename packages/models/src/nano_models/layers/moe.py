@@ -63,6 +63,15 @@ class ExpertScales(NamedTuple):
     values: torch.Tensor
     block: int
 
+    def scaling(self, k: int, block_k: int) -> int:
+        """How a kernel that reads the weight's K = ``k`` columns in tiles of ``block_k``
+        applies these scales (its SCALING): 1, one a row (a block holds the whole row: the
+        row's sum scaled once); 2, one a row and tile (blocks hold whole tiles); 3, one a
+        value."""
+        if self.block >= k:
+            return 1
+        return 2 if self.block % block_k == 0 else 3
+
 
 def dequantize_expert(
     w: torch.Tensor, scales: ExpertScales, e: int, dtype: torch.dtype = torch.float32
@@ -122,7 +131,10 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         tp: TensorParallel = SINGLE,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
+        """``weight_dtype``: the weights' (default: the model's), e4m3 for an FP8 checkpoint's
+        experts (made so from the start: a mixture's experts are most of its bytes)."""
         super().__init__()
         self.tp = tp
         self.num_experts, self.hidden_size = num_experts, hidden_size
@@ -130,10 +142,11 @@ class FusedMoE(nn.Module):
         local = tp.split(intermediate_size, "moe_intermediate_size")
         self.local = local
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=weight_dtype),
+            requires_grad=False,
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, local), requires_grad=False
+            torch.empty(num_experts, hidden_size, local, dtype=weight_dtype), requires_grad=False
         )
         self.w13_weight.weight_loader = self.w13_loader
         self.w2_weight.weight_loader = self.w2_loader
@@ -226,13 +239,14 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         renormalize: bool,
         tp: TensorParallel = SINGLE,
+        expert_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, False, tp)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp, expert_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x), self.top_k, self.renormalize)

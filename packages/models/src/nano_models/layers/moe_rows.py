@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nano_kvcache.launch import launch_options, pdl
+from nano_models.layers.gemv import nvidia, widened
 from nano_models.layers.moe import ExpertScales
 from nano_models.layers.moe_triton import route_triton
 
@@ -101,26 +102,34 @@ def moe_rows(
             )
         if v.stride(2) != 1:
             raise ValueError("the experts' scales must be contiguous along their last dimension")
+    # (e4m3 rows of whole 32-bit words: read a word at a time, widened by PTX on NVIDIA's GPUs)
+    pack = 4 if e4m3 and _whole_words(w13) and _whole_words(w2) else 1
+    w13_in, w2_in = (w13.view(torch.int32), w2.view(torch.int32)) if pack == 4 else (w13, w2)
+    asm = e4m3 and nvidia(x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     dependent = pdl(x)
     block_n, block_k, warps = up_tile or UP_TILE
+    block_k = _within_scale_blocks(block_k, s13.block)
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, block_n))](
         x,
-        w13,
+        w13_in,
         ids,
         h,
         inter,
         hidden,
         x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
+        w13_in.stride(0),
+        w13_in.stride(1),
         s13.values,
         s13.values.stride(0),
         s13.values.stride(1),
         TOP_K=top_k,
         SCALE_BLOCK=s13.block,
+        SCALING=s13.scaling(hidden, block_k) if e4m3 else 0,
+        PACK=pack,
+        E4M3_ASM=asm,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=dependent,
@@ -133,25 +142,29 @@ def moe_rows(
     block_k = min(
         block_k, triton.next_power_of_2(inter), _prev_power_of_2(8192 // (slots * block_n))
     )
+    block_k = max(16, _within_scale_blocks(block_k, s2.block))
     _down_rows[(tokens, triton.cdiv(hidden, block_n))](
         h,
-        w2,
+        w2_in,
         weights,
         ids,
         out,
         hidden,
         inter,
-        w2.stride(0),
-        w2.stride(1),
+        w2_in.stride(0),
+        w2_in.stride(1),
         out.stride(0),
         s2.values,
         s2.values.stride(0),
         s2.values.stride(1),
         TOP_K=top_k,
         SCALE_BLOCK=s2.block,
+        SCALING=s2.scaling(inter, block_k) if e4m3 else 0,
+        PACK=pack,
+        E4M3_ASM=asm,
         SLOTS=slots,
         BLOCK_N=block_n,
-        BLOCK_K=max(16, block_k),
+        BLOCK_K=block_k,
         PDL=dependent,
         num_warps=warps,
         **launch_options(dependent),
@@ -159,8 +172,21 @@ def moe_rows(
     return out
 
 
+def _whole_words(w: torch.Tensor) -> bool:
+    """Whether an e4m3 expert weight's rows are whole 32-bit words (read four values at once)."""
+    return all(n % 4 == 0 for n in (w.shape[2], w.stride(0), w.stride(1), w.data_ptr()))
+
+
 def _prev_power_of_2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _within_scale_blocks(block_k: int, scale_block: int) -> int:
+    """A tile of at most ``block_k`` columns that lies within one block of scales where the
+    blocks are a power of two of at least 16 columns (one scale a row and tile)."""
+    if scale_block >= 16 and scale_block & (scale_block - 1) == 0:
+        return min(block_k, scale_block)
+    return block_k
 
 
 @triton.jit
@@ -179,13 +205,17 @@ def _gate_up_rows(
     stride_sn,
     TOP_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    SCALING: tl.constexpr,
+    PACK: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[pair, n] = SiLU(x[token] . gate_n) * (x[token] . up_n) for the BLOCK_N outputs n of
     this program, gate_n and up_n rows n and N + n of the pair's expert in ``w13``.
-    SCALE_BLOCK > 0: w13 is e4m3, its (e, n, k) scaled by scales[e, n, k // SCALE_BLOCK]."""
+    SCALING > 0: w13 is e4m3 (PACK 4: read as int32 words of four), its (e, n, k) scaled by
+    scales[e, n, k // SCALE_BLOCK] (``ExpertScales.scaling``: once a row, a tile or a value)."""
     if PDL:  # (the routing, then the down launch may start)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -199,22 +229,32 @@ def _gate_up_rows(
     gate_scales = scales + expert * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
     up_scales = gate_scales + N * stride_sn
     live_n = offs_n < N
+    offs_w = tl.arange(0, BLOCK_K // PACK)
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + offs_k
         live_k = k < K
         a = tl.load(x_row + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
-        mask = live_n[:, None] & live_k[None, :]
-        g = tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SCALE_BLOCK:
+        w = start // PACK + offs_w
+        mask = live_n[:, None] & (w < K // PACK)[None, :]
+        g = widened(tl.load(gate_rows + w[None, :], mask=mask, other=0.0), PACK, E4M3_ASM)
+        u = widened(tl.load(up_rows + w[None, :], mask=mask, other=0.0), PACK, E4M3_ASM)
+        if SCALING == 2:
+            g *= tl.load(gate_scales + start // SCALE_BLOCK, mask=live_n[:, None], other=0.0)
+            u *= tl.load(up_scales + start // SCALE_BLOCK, mask=live_n[:, None], other=0.0)
+        if SCALING == 3:
+            mask = live_n[:, None] & live_k[None, :]
             g *= tl.load(gate_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
             u *= tl.load(up_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
         gate += g * a
         up += u * a
     g = tl.sum(gate, 1)
-    out = g / (1.0 + tl.exp(-g)) * tl.sum(up, 1)
+    up_sum = tl.sum(up, 1)
+    if SCALING == 1:
+        g *= tl.sum(tl.load(gate_scales, mask=live_n[:, None], other=0.0), 1)
+        up_sum *= tl.sum(tl.load(up_scales, mask=live_n[:, None], other=0.0), 1)
+    out = g / (1.0 + tl.exp(-g)) * up_sum
     tl.store(h + pair.to(tl.int64) * N + offs_n, out.to(h.dtype.element_ty), mask=live_n)
 
 
@@ -235,6 +275,9 @@ def _down_rows(
     stride_sn,
     TOP_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    SCALING: tl.constexpr,
+    PACK: tl.constexpr,
+    E4M3_ASM: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -243,8 +286,8 @@ def _down_rows(
     """out[token, n] = sum over the token's pairs of weight * (h[pair] . down_n of the pair's
     expert), for the BLOCK_N outputs n of this program; float32 throughout, rounded once. The
     k experts' rows are one tile: row r is slot r // BLOCK_N (SLOTS: TOP_K rounded up to a
-    power of two), output r % BLOCK_N. SCALE_BLOCK > 0: w2 is e4m3, its (e, n, k) scaled by
-    scales[e, n, k // SCALE_BLOCK]."""
+    power of two), output r % BLOCK_N. SCALING > 0: w2 is e4m3 (PACK 4: read as int32 words of
+    four), its (e, n, k) scaled by scales[e, n, k // SCALE_BLOCK] (``ExpertScales.scaling``)."""
     token = tl.program_id(0)
     r = tl.arange(0, SLOTS * BLOCK_N)
     slot = r // BLOCK_N
@@ -259,14 +302,14 @@ def _down_rows(
     rows = w2 + expert[:, None] * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     row_scales = scales + expert[:, None] * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
     live_k = offs_k < K
-    tile = tl.load(rows + offs_k[None, :], mask=live_r[:, None] & live_k[None, :], other=0.0)
-    tile = tile.to(tl.float32)
-    if SCALE_BLOCK:
-        tile *= tl.load(
-            row_scales + (offs_k // SCALE_BLOCK)[None, :],
-            mask=live_r[:, None] & live_k[None, :],
-            other=0.0,
-        )
+    offs_w = tl.arange(0, BLOCK_K // PACK)
+    w_mask = live_r[:, None] & (offs_w < K // PACK)[None, :]
+    tile = widened(tl.load(rows + offs_w[None, :], mask=w_mask, other=0.0), PACK, E4M3_ASM)
+    if SCALING == 2:
+        tile *= tl.load(row_scales, mask=live_r[:, None], other=0.0)
+    if SCALING == 3:
+        mask = live_r[:, None] & live_k[None, :]
+        tile *= tl.load(row_scales + (offs_k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
     if PDL:  # (h is complete)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -276,10 +319,16 @@ def _down_rows(
     for start in range(BLOCK_K, K, BLOCK_K):
         k = start + offs_k
         mask = live_r[:, None] & (k < K)[None, :]
-        w = tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SCALE_BLOCK:
+        words = start // PACK + offs_w
+        w_mask = live_r[:, None] & (words < K // PACK)[None, :]
+        w = widened(tl.load(rows + words[None, :], mask=w_mask, other=0.0), PACK, E4M3_ASM)
+        if SCALING == 2:
+            w *= tl.load(row_scales + start // SCALE_BLOCK, mask=live_r[:, None], other=0.0)
+        if SCALING == 3:
             w *= tl.load(row_scales + (k // SCALE_BLOCK)[None, :], mask=mask, other=0.0)
         part += tl.sum(w * tl.load(h_rows + k[None, :], mask=mask, other=0.0).to(tl.float32), 1)
+    if SCALING == 1:
+        part *= tl.sum(tl.load(row_scales, mask=live_r[:, None], other=0.0), 1)
     y = tl.sum(tl.reshape(part * scale, [SLOTS, BLOCK_N]), 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out + token.to(tl.int64) * stride_out + n, y.to(out.dtype.element_ty), mask=n < N)

@@ -404,6 +404,7 @@ def _grouped_gemm(
     MUL_WEIGHTS: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    SCALING: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -413,9 +414,11 @@ def _grouped_gemm(
     pair's routing weight with MUL_WEIGHTS), for the pairs of one tile of ``sorted_pairs``.
     GATED: b holds 2N rows (gate, then up) and c[pair, n] = SiLU(gate_n) * up_n, both products
     in float32 (a program reads BLOCK_N gate rows and the BLOCK_N up rows N further).
-    SCALE_BLOCK > 0: b is e4m3 and b[e, n, k] stands for b[e, n, k] * b_scale[e, n, k //
-    SCALE_BLOCK]: each tile widened and scaled in float32, then rounded to a's dtype for the
-    product."""
+    SCALING > 0: b is e4m3 and b[e, n, k] stands for b[e, n, k] * b_scale[e, n, k //
+    SCALE_BLOCK] (``ExpertScales.scaling``): the tile widened to a's dtype for the product,
+    with one scale a row (1) the row's sum scaled at the end, with one a row and tile (2)
+    each tile's product; with one a value (3) each tile widened and scaled in float32, then
+    rounded to a's dtype."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(length, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(used):
@@ -430,6 +433,7 @@ def _grouped_gemm(
     a_ptrs = a + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     s_ptrs = b_scale + expert * stride_se + offs_n[None, :] * stride_sn
+    live_n = offs_n[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
@@ -437,17 +441,35 @@ def _grouped_gemm(
         x = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < left), other=0.0)
         b_mask = (offs_k[:, None] < left) & (offs_n[None, :] < N)
         w = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if SCALE_BLOCK:
-            w = _scaled(w, s_ptrs, step * BLOCK_K + offs_k, b_mask, stride_sk, SCALE_BLOCK)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+        k = step * BLOCK_K + offs_k
+        if SCALING == 3:
+            w = _scaled(w, s_ptrs, k, b_mask, stride_sk, SCALE_BLOCK)
+        if SCALING == 2:  # (the tile's product scaled: one scale a row of b)
+            s = tl.load(
+                s_ptrs + (step * BLOCK_K // SCALE_BLOCK) * stride_sk, mask=live_n, other=0.0
+            )
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         if GATED:
             u = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
-            if SCALE_BLOCK:
-                u_scales = s_ptrs + N * stride_sn
-                u = _scaled(u, u_scales, step * BLOCK_K + offs_k, b_mask, stride_sk, SCALE_BLOCK)
-            acc_up = tl.dot(x, u.to(x.dtype), acc_up, input_precision=PRECISION)
+            if SCALING == 3:
+                u = _scaled(u, s_ptrs + N * stride_sn, k, b_mask, stride_sk, SCALE_BLOCK)
+            if SCALING == 2:
+                s = tl.load(
+                    s_ptrs + N * stride_sn + (step * BLOCK_K // SCALE_BLOCK) * stride_sk,
+                    mask=live_n,
+                    other=0.0,
+                )
+                acc_up += tl.dot(x, u.to(x.dtype), input_precision=PRECISION) * s
+            else:
+                acc_up = tl.dot(x, u.to(x.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SCALING == 1:
+        acc *= tl.load(s_ptrs, mask=live_n, other=0.0)
+        if GATED:
+            acc_up *= tl.load(s_ptrs + N * stride_sn, mask=live_n, other=0.0)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHTS:
@@ -516,6 +538,7 @@ def grouped_gemm(
         GATED=gated,
         MUL_WEIGHTS=weights is not None,
         SCALE_BLOCK=scales.block if scales is not None else 0,
+        SCALING=0 if scales is None else scales.scaling(k, tile["BLOCK_K"]),
         # (float32 as torch computes it, not in TF32; lower precisions are exact either way)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **tile,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from nano_models.config import ModelConfig
@@ -14,6 +15,7 @@ from nano_models.layers.moe import SparseMoeBlock, fused_available
 from nano_models.models.decoder import DecoderMLP, DecoderSpec
 from nano_models.models.qwen3 import Qwen3ForCausalLM
 from nano_models.parallel import SINGLE, TensorParallel
+from nano_models.quantization import Fp8Config
 from nano_models.registry import register_model
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (the hub's checkpoints), and
@@ -22,6 +24,8 @@ _EXPERT = re.compile(
     r"(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj"
     r"\.(?P<kind>weight|weight_scale_inv)"
 )
+# a router's FP8 scale (routers stay in the model's dtype)
+_ROUTER_SCALE = re.compile(r".*\.mlp\.gate\.weight_scale_inv")
 # our experts' parameters loaded from those tensors
 _EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 _SETTINGS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -69,13 +73,21 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not is_sparse(cfg, layer):
             return DecoderMLP(cfg, spec, tp)
         experts, top_k, size, renormalize = moe_settings(cfg)
-        return SparseMoeBlock(cfg.hidden_size, size, experts, top_k, renormalize, tp)
+        fp8 = Fp8Config.of(cfg, None)  # (an FP8 checkpoint's experts are made in e4m3)
+        e4m3 = fp8 is not None and not fp8.keeps(f"model.layers.{layer}.mlp.experts")
+        dtype = torch.float8_e4m3fn if e4m3 else None
+        return SparseMoeBlock(cfg.hidden_size, size, experts, top_k, renormalize, tp, dtype)
 
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         """Our parameter and shard of a checkpoint tensor, for the experts' (None: the
         others, mapped as in every decoder)."""
         m = _EXPERT.fullmatch(name)
         if m is None:
+            if _ROUTER_SCALE.fullmatch(name):
+                raise ValueError(
+                    f"{name}: this checkpoint holds a router in FP8; routers are read in the "
+                    "model's dtype only (as vLLM reads them)"
+                )
             return None
         expert, kind = int(m["e"]), m["kind"]
         if m["proj"] == "down":
