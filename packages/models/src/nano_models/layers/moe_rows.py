@@ -18,6 +18,10 @@ each waits for the previous kernel, then lets the next one start, and the down l
 experts' rows before its wait (the routing it reads them by is two launches back, finished
 before the gate/up launch let it start), so those reads overlap the gate/up launch.
 Every shape depends on the number of tokens alone: it runs inside CUDA graphs.
+
+e4m3 experts (FP8 weights, ``ExpertScales``) are read as 32-bit words of four values widened by
+PTX (``gemv.widened``), their scales applied once a row's sum, once a tile's row where the
+scale blocks hold whole tiles (the tiles are cut to the blocks), else to each value.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ graph.
 
 Up to a few tokens ``moe_rows`` takes over (no alignment; the products row by row).
 
+e4m3 experts (FP8 weights, ``ExpertScales``): each tile is widened to the activations' dtype
+(exact) for the tensor-core product, and their scales applied once to each row's sum, to each
+tile's product where the scale blocks hold whole tiles, else to each value before the
+product.
+
 Tiles per shape come from ``nano_models.layers.moe_tiles`` (measured on an H200 by
 ``benchmarks/tune_moe.py``), else from a rule by the number of tokens.
 """
