@@ -154,6 +154,8 @@ def test_fp8_checkpoint_greedy_matches_transformers_on_its_dequantized_weights(
     expected = hf_greedy(str(plain), sample_prompts())
     for eager in (True, False):
         options = {"device": "cuda", "dtype": "float32", "enforce_eager": eager}
+        # (8 prompts: graphs of up to 8 sequences and 512 tokens, fewer kernels to compile)
+        options |= {"max_num_seqs": 8, "max_num_batched_tokens": 512}
         with LLM(str(path), kvcache_block_size=4, gpu_memory_utilization=0.3, **options) as llm:
             outputs = llm.generate(
                 sample_prompts(),
