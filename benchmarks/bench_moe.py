@@ -11,7 +11,9 @@ pairs' alignment, and the alignment alone, in torch's ops and in one Triton prog
 Up to 16 tokens also the two ways apart: the grouped GEMMs (``moe_triton``) and the products row
 by row (``moe_rows``, which ``routed_moe`` takes up to ``ROWS_TOKENS`` tokens).
 
-    python benchmarks/bench_moe.py [--batch 1 32 256] [--json out.json]
+    python benchmarks/bench_moe.py [--batch 1 32 256] [--fp8 block|row] [--json out.json]
+        # --fp8: the experts in e4m3 with scales a row and 128-column block (an FP8
+        # checkpoint's) or a row (-q fp8's), their bytes counted as e4m3 and float32 scales
     python benchmarks/bench_moe.py --sweep-rows [--batch 1 4]   # moe_rows' tiles, each launch,
         # over 8 layers of cold experts (~10 GB at Qwen3-30B-A3B's shapes)
 """
@@ -25,7 +27,7 @@ import torch
 from graph_timing import replayed_us
 from triton.testing import do_bench
 
-from nano_models.layers.moe import moe_torch, route
+from nano_models.layers.moe import ExpertScales, moe_torch, route
 from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
 from nano_models.layers.moe_triton import (
     _tiles,
@@ -54,23 +56,44 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, bandwidth) -> dict:
+def e4m3(w: torch.Tensor, block: int) -> tuple[torch.Tensor, ExpertScales]:
+    """w [E, N, K] in e4m3 with a float32 scale a row and block of columns (max|w| / 448)."""
+    e, n, k = w.shape
+    blocks = -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, blocks * block - k))
+    scale = (padded.view(e, n, blocks, block).abs().amax(dim=-1) / 448).clamp(min=1e-12)
+    full = scale.repeat_interleave(block, dim=-1)[..., :k]
+    return (w.float() / full).to(torch.float8_e4m3fn), ExpertScales(scale, block)
+
+
+def run(
+    batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, bandwidth, fp8=None
+) -> dict:
     g = torch.Generator(device="cuda").manual_seed(batch)
     x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
     router = torch.randn(hidden, experts, device="cuda", generator=g).to(dtype) / hidden**0.5
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / 30).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / 30).to(dtype)
+    scales = None
+    if fp8 is not None:  # ("block": 128 columns; "row": a scale a row)
+        (w13, s13), (w2, s2) = (e4m3(w, 128 if fp8 == "block" else w.shape[2]) for w in (w13, w2))
+        scales = (s13, s2)
 
     def layer():
-        return routed_moe(x, x @ router, w13, w2, top_k, True)
+        return routed_moe(x, x @ router, w13, w2, top_k, True, scales=scales)
 
     weights, ids = route(x @ router, top_k, True, dtype)
     touched = int(torch.unique(ids).numel())
-    expert_bytes = 3 * inter * hidden * x.element_size()
+    expert_bytes = 3 * inter * hidden * w13.element_size()
+    if scales is not None:
+        expert_bytes += sum(s.values[0].numel() * 4 for s in scales)
     nbytes = touched * expert_bytes
     fused_us = replayed_us(layer, rep=200)
     torch_ms = do_bench(
-        lambda: moe_torch(x, w13, w2, weights, ids), warmup=5, rep=50, return_mode="median"
+        lambda: moe_torch(x, w13, w2, weights, ids, scales=scales),
+        warmup=5,
+        rep=50,
+        return_mode="median",
     )
     copy_us = nbytes / bandwidth * 1e6
     both = {}
@@ -78,10 +101,11 @@ def run(batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, ba
         tiles = _tiles(x, w13, top_k)
         both = {
             "grouped_us": replayed_us(
-                lambda: routed_moe(x, x @ router, w13, w2, top_k, True, tiles), rep=200
+                lambda: routed_moe(x, x @ router, w13, w2, top_k, True, tiles, scales), rep=200
             ),
             "rows_us": replayed_us(
-                lambda: routed_moe_rows(x, x @ router, w13, w2, top_k, True), rep=200
+                lambda: routed_moe_rows(x, x @ router, w13, w2, top_k, True, scales=scales),
+                rep=200,
             ),
         }
     # The routing and the pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS
@@ -161,6 +185,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--json")
+    p.add_argument("--fp8", choices=("block", "row"), help="the experts in e4m3 with scales")
     p.add_argument("--sweep-rows", action="store_true", help="moe_rows' tiles at each batch")
     args = p.parse_args()
     if args.sweep_rows:
@@ -196,6 +221,7 @@ def main() -> None:
             args.top_k,
             torch.bfloat16,
             bandwidth,
+            args.fp8,
         )
         rows.append(row)
         print(
