@@ -227,29 +227,35 @@ def quantize_channel_fp8(model: nn.Module, config: Fp8Config) -> None:
     for _, layer in fp8_layers(model, config):
         if any(size % 16 for size in layer.weight.shape):
             continue  # (FP8 products take sizes in multiples of 16: this one stays as it is)
-        w = layer.weight.data.float()
-        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-        quantized = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quantized, scale = _per_row_e4m3(layer.weight.data)
         layer.weight = nn.Parameter(quantized, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.quant = ChannelFp8()
     for _, experts in fp8_experts(model, config):
         for attr in ("w13", "w2"):
-            w = getattr(experts, f"{attr}_weight").data
-            quantized = torch.empty(w.shape, dtype=FP8, device=w.device)
-            scale = torch.empty(*w.shape[:2], 1, dtype=torch.float32, device=w.device)
-            for e in range(w.shape[0]):  # (an expert at a time: no float32 copy of them all)
-                we = w[e].float()
-                scale[e, :, 0] = (we.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-                quantized[e] = (we / scale[e]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            quantized, scale = _per_row_e4m3(getattr(experts, f"{attr}_weight").data)
             setattr(experts, f"{attr}_weight", nn.Parameter(quantized, requires_grad=False))
-            setattr(experts, f"{attr}_weight_scale", nn.Parameter(scale, requires_grad=False))
+            scale = nn.Parameter(scale[..., None], requires_grad=False)  # ([E, N, 1])
+            setattr(experts, f"{attr}_weight_scale", scale)
         experts.quant = ExpertsFp8("weight_scale", experts.hidden_size, experts.local)
 
 
-# Vocabulary rows of the LM head quantized at a time (a float32 copy of a few of them at once,
-# not of the whole head: Qwen3-8B's is 2.5 GB in float32).
-_HEAD_ROWS = 8192
+# Rows of a weight quantized at a time (a float32 copy of a few of them at once, not of the
+# whole weight: Qwen3-8B's LM head is 2.5 GB in float32, a 30B-A3B layer's experts 1.2 GB).
+_ROWS_AT_ONCE = 8192
+
+
+def _per_row_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] in e4m3 with a float32 scale a row [...] (max|w| / 448)."""
+    flat = w.reshape(-1, w.shape[-1])
+    quantized = torch.empty(flat.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(flat.shape[0], dtype=torch.float32, device=w.device)
+    for first in range(0, flat.shape[0], _ROWS_AT_ONCE):
+        rows = slice(first, first + _ROWS_AT_ONCE)
+        part = flat[rows].float()
+        scale[rows] = (part.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        quantized[rows] = (part / scale[rows, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(w.shape), scale.view(w.shape[:-1])
 
 
 def check_fp8_lm_head(
@@ -280,15 +286,7 @@ def fp8_lm_head(model: nn.Module) -> None:
     ~9 GB of weights in FP8), for logits that carry the head's rounding as well. Its own copy
     when the head shares the embedding's weight (the embedding stays as it is)."""
     head = model.lm_head
-    rows, columns = head.weight.shape
-    weight = head.weight.data
-    quantized = torch.empty(rows, columns, dtype=FP8, device=weight.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=weight.device)
-    for first in range(0, rows, _HEAD_ROWS):
-        w = weight[first : first + _HEAD_ROWS].float()
-        s = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-        quantized[first : first + _HEAD_ROWS] = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        scale[first : first + _HEAD_ROWS] = s
+    quantized, scale = _per_row_e4m3(head.weight.data)
     head.weight = nn.Parameter(quantized, requires_grad=False)
     head.weight_scale = nn.Parameter(scale, requires_grad=False)
     head.quant = ChannelFp8()

@@ -73,6 +73,23 @@ class ExpertScales(NamedTuple):
         return 2 if self.block % block_k == 0 else 3
 
 
+def check_expert_scales(w: torch.Tensor, scales: ExpertScales | None) -> None:
+    """ValueError unless an expert weight [E, N, K] in e4m3 comes with scales that fit it, and
+    one in another dtype without."""
+    if (scales is not None) != (w.dtype == torch.float8_e4m3fn):
+        raise ValueError(
+            f"experts of {w.dtype}: e4m3 experts come with their scales, others without"
+        )
+    if scales is not None and (
+        scales.values.shape[:2] != w.shape[:2]
+        or scales.values.shape[2] != -(-w.shape[2] // scales.block)
+    ):
+        raise ValueError(
+            f"scales {tuple(scales.values.shape)} of blocks of {scales.block} do not fit "
+            f"{tuple(w.shape)}"
+        )
+
+
 def dequantize_expert(
     w: torch.Tensor, scales: ExpertScales, e: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from nano_kvcache.launch import launch_options, pdl
 from nano_models.layers.gemv import nvidia, widened
-from nano_models.layers.moe import ExpertScales
+from nano_models.layers.moe import ExpertScales, check_expert_scales
 from nano_models.layers.moe_triton import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
@@ -92,20 +92,11 @@ def moe_rows(
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("the experts' weights must be contiguous along their input dimension")
     e4m3 = w13.dtype == torch.float8_e4m3fn
-    if (scales is not None) != e4m3 or (w2.dtype == torch.float8_e4m3fn) != e4m3:
-        raise ValueError(
-            f"experts of {w13.dtype} and {w2.dtype}: e4m3 experts come with their scales, "
-            "others without"
-        )
-    s13, s2 = scales or (ExpertScales(x, 0), ExpertScales(x, 0))
-    for w, sc in ((w13, s13), (w2, s2)) if e4m3 else ():
-        v = sc.values
-        if v.shape[:2] != w.shape[:2] or v.shape[2] != -(-w.shape[2] // sc.block):
-            raise ValueError(
-                f"scales {tuple(v.shape)} of blocks of {sc.block} do not fit {tuple(w.shape)}"
-            )
-        if v.stride(2) != 1:
+    for w, sc in zip((w13, w2), scales or (None, None)):
+        check_expert_scales(w, sc)
+        if sc is not None and sc.values.stride(2) != 1:
             raise ValueError("the experts' scales must be contiguous along their last dimension")
+    s13, s2 = scales or (ExpertScales(x, 0), ExpertScales(x, 0))
     # (e4m3 rows of whole 32-bit words: read a word at a time, widened by PTX on NVIDIA's GPUs)
     pack = 4 if e4m3 and _whole_words(w13) and _whole_words(w2) else 1
     w13_in, w2_in = (w13.view(torch.int32), w2.view(torch.int32)) if pack == 4 else (w13, w2)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from nano_kvcache.launch import launch_options
 from nano_kvcache.launch import pdl as pdl_here
-from nano_models.layers.moe import ExpertScales, route
+from nano_models.layers.moe import ExpertScales, check_expert_scales, route
 from nano_models.layers.triton_tiles import grouped_tile
 
 # Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
@@ -503,15 +503,7 @@ def grouped_gemm(
     n, k = out.shape[1], b.shape[2]
     if b.shape[1] != (2 * n if gated else n):
         raise ValueError(f"b {tuple(b.shape)} does not fit out {tuple(out.shape)}")
-    if (scales is not None) != (b.dtype == torch.float8_e4m3fn):
-        raise ValueError(f"b is {b.dtype}: e4m3 experts come with their scales, others without")
-    if scales is not None and (
-        scales.values.shape[:2] != b.shape[:2] or scales.values.shape[2] != -(-k // scales.block)
-    ):
-        raise ValueError(
-            f"scales {tuple(scales.values.shape)} of blocks of {scales.block} do not fit b "
-            f"{tuple(b.shape)}"
-        )
+    check_expert_scales(b, scales)
     s = scales.values if scales is not None else out
     tile = {**tile, "BLOCK_N": tile["BLOCK_N"] // 2} if gated else tile
     length = sorted_pairs.numel()
