@@ -134,7 +134,14 @@ def run(
 
 
 def sweep_rows(
-    batch: int, experts: int, inter: int, hidden: int, top_k: int, dtype, layers: int = 8
+    batch: int,
+    experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    dtype,
+    layers: int = 8,
+    fp8: str | None = None,
 ) -> dict:
     """``moe_rows``' two launches over ``ROWS_CANDIDATES`` (BLOCK_N, BLOCK_K, num_warps): the
     gate/up launch's tiles under the default down tile, then the down launch's under the best
@@ -142,8 +149,9 @@ def sweep_rows(
     their own experts replayed in one CUDA graph, so that each reads its experts from memory
     as a model does (one layer replayed alone finds part of them in L2: there the down launch
     in whole rows of 1,024 by four warps looked fastest; in the model, slices of 256 by two
-    are, 24.6 against 25.5 us at Qwen3-30B-A3B's shapes and one token)."""
-    from nano_models.layers.moe_rows import DOWN_TILE
+    are, 24.6 against 25.5 us at Qwen3-30B-A3B's shapes and one token). ``fp8``: the experts
+    in e4m3, as ``run``'s (the defaults then are the e4m3 tiles)."""
+    from nano_models.layers.moe_rows import DOWN_TILE, DOWN_TILE_E4M3
 
     g = torch.Generator(device="cuda").manual_seed(batch)
     x = torch.randn(batch, hidden, device="cuda", generator=g).to(dtype)
@@ -153,16 +161,24 @@ def sweep_rows(
         w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / 30).to(dtype)
         logits = torch.randn(batch, experts, device="cuda", generator=g)
         weights, ids = route(logits, top_k, True, dtype)
-        stack.append((w13, w2, weights, ids.int()))
+        scales = None
+        if fp8 is not None:
+            (w13, s13), (w2, s2) = (
+                e4m3(w, 128 if fp8 == "block" else w.shape[2]) for w in (w13, w2)
+            )
+            scales = (s13, s2)
+        stack.append((w13, w2, weights, ids.int(), scales))
 
     def timed(up, down) -> float:
         def step():
-            for w13, w2, weights, ids in stack:
-                moe_rows(x, w13, w2, weights, ids, up, down)
+            for w13, w2, weights, ids, scales in stack:
+                moe_rows(x, w13, w2, weights, ids, up, down, scales)
 
         return replayed_us(step, 5, 20) / layers
 
-    up = {tile: timed(tile, DOWN_TILE) for tile in ROWS_CANDIDATES}
+    up = {
+        tile: timed(tile, DOWN_TILE if fp8 is None else DOWN_TILE_E4M3) for tile in ROWS_CANDIDATES
+    }
     best_up = min(up, key=up.get)
     down = {tile: timed(best_up, tile) for tile in ROWS_CANDIDATES}
     best_down = min(down, key=down.get)
@@ -192,7 +208,13 @@ def main() -> None:
         sweeps = []
         for batch in args.batch:
             res = sweep_rows(
-                batch, args.experts, args.intermediate, args.hidden, args.top_k, torch.bfloat16
+                batch,
+                args.experts,
+                args.intermediate,
+                args.hidden,
+                args.top_k,
+                torch.bfloat16,
+                fp8=args.fp8,
             )
             sweeps.append(res)
             ranked = sorted(res["up_us"].items(), key=lambda kv: kv[1])[:5]

@@ -13,7 +13,7 @@ import pytest
 triton = pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 
-from nano_models.layers.moe_rows import _down_rows, _gate_up_rows  # noqa: E402
+from nano_models.layers.moe_rows import _down_rows, _gate_up_rows, launch_tiles  # noqa: E402
 from nano_models.layers.moe_tiles import choose  # noqa: E402
 from nano_models.layers.moe_triton import _grouped_gemm  # noqa: E402
 
@@ -72,13 +72,19 @@ def test_the_grouped_gemms_compile(scaling, block, gated, tokens, tmp_path):
 def test_the_few_token_kernels_compile(scaling, block, pack, tmp_path):
     if pack == 4 and not scaling:
         pytest.skip("bf16 experts are read as values")
+    """At the tiles Qwen3-30B-A3B's layer takes (``moe_rows.launch_tiles``)."""
     widen = {"SCALE_BLOCK": block, "SCALING": scaling, "PACK": pack, "E4M3_ASM": pack == 4}
+    (up_n, up_k, up_warps), (down_n, down_k, down_warps) = launch_tiles(
+        bool(scaling), 8, 768, block, block
+    )
     scales = "*fp32" if scaling else "*bf16"
     up = {"x": "*bf16", "w13": weight_type(scaling, pack), "ids": "*i32", "h": "*bf16"}
-    constants = {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "PDL": True, **widen}
-    ptx = assembled(_gate_up_rows, up | {"scales": scales}, constants, {"num_warps": 8}, tmp_path)
+    constants = {"TOP_K": 8, "BLOCK_N": up_n, "BLOCK_K": up_k, "PDL": True, **widen}
+    options = {"num_warps": up_warps}
+    ptx = assembled(_gate_up_rows, up | {"scales": scales}, constants, options, tmp_path)
     down = {"h": "*bf16", "w2": weight_type(scaling, pack), "weights": "*fp32", "ids": "*i32"}
     down |= {"out": "*bf16", "scales": scales}
-    constants = {"TOP_K": 8, "SLOTS": 8, "BLOCK_N": 1, "BLOCK_K": 128, "PDL": True, **widen}
-    ptx += assembled(_down_rows, down, constants, {"num_warps": 2}, tmp_path)
+    constants = {"TOP_K": 8, "SLOTS": 8, "BLOCK_N": down_n, "BLOCK_K": down_k, "PDL": True}
+    options = {"num_warps": down_warps}
+    ptx += assembled(_down_rows, down, constants | widen, options, tmp_path)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == bool(scaling)
