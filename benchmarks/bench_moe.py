@@ -7,11 +7,14 @@ E (1 - (1 - k/E)^T) of them), their weight bytes (gate, up and down), the copy t
 bytes (a device-to-device copy measured here), the fused layer's time replayed in a CUDA graph
 (router, routing and experts, as a decode step runs it; at most ``ONE_PROGRAM_PAIRS`` pairs the
 routing and alignment are one program), the torch path's time (eager), and the routing with the
-pairs' alignment, and the alignment alone, in torch's ops and in one Triton program (in graphs).
+pairs' alignment, and the alignment alone, in torch's ops, in one Triton program and in the
+parallel launches (in graphs); with ``--parallel-align`` the layer takes those past
+``ONE_PROGRAM_PAIRS`` pairs.
 Up to 16 tokens also the two ways apart: the grouped GEMMs (``moe_triton``) and the products row
 by row (``moe_rows``, which ``routed_moe`` takes up to ``ROWS_TOKENS`` tokens).
 
-    python benchmarks/bench_moe.py [--batch 1 32 256] [--fp8 block|row] [--json out.json]
+    python benchmarks/bench_moe.py [--batch 1 32 256] [--fp8 block|row] [--parallel-align]
+        [--json out.json]
         # --fp8: the experts in e4m3 with scales a row and 128-column block (an FP8
         # checkpoint's) or a row (-q fp8's), their bytes counted as e4m3 and float32 scales
     python benchmarks/bench_moe.py --sweep-rows [--batch 1 4]   # moe_rows' tiles, each launch,
@@ -31,8 +34,10 @@ from nano_models.layers.moe import ExpertScales, moe_torch, route
 from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
 from nano_models.layers.moe_triton import (
     _tiles,
+    align_parallel,
     align_torch,
     align_triton,
+    route_align_parallel,
     route_align_triton,
     route_triton,
     routed_moe,
@@ -114,8 +119,10 @@ def run(
     ways = {
         "route_align_torch": lambda: align_torch(route(logits, top_k, True, dtype)[1], experts, 16),
         "route_align_triton": lambda: route_align_triton(logits, top_k, True, dtype, 16),
+        "route_align_parallel": lambda: route_align_parallel(logits, top_k, True, dtype, 16),
         "align_torch": lambda: align_torch(ids, experts, 16),
         "align_triton": lambda: align_triton(ids, experts, 16),
+        "align_parallel": lambda: align_parallel(ids, experts, 16),
         "route_triton": lambda: route_triton(logits, top_k, True, dtype),
     }
     align_us = {name: replayed_us(fn) for name, fn in ways.items()}
@@ -203,7 +210,16 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--fp8", choices=("block", "row"), help="the experts in e4m3 with scales")
     p.add_argument("--sweep-rows", action="store_true", help="moe_rows' tiles at each batch")
+    p.add_argument(
+        "--parallel-align",
+        action="store_true",
+        help="past ONE_PROGRAM_PAIRS the parallel alignment (moe_triton.PARALLEL_ALIGN)",
+    )
     args = p.parse_args()
+    if args.parallel_align:
+        import nano_models.layers.moe_triton as moe_triton
+
+        moe_triton.PARALLEL_ALIGN = True
     if args.sweep_rows:
         sweeps = []
         for batch in args.batch:
@@ -230,8 +246,8 @@ def main() -> None:
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     print(
         f"{'batch':>6} {'experts':>8} {'MB':>8} {'copy us':>8} {'fused us':>9} {'TB/s':>6} "
-        f"{'of copy':>8} {'torch us':>9} {'route+align: torch us':>22} {'triton us':>10} "
-        f"{'align: torch us':>16} {'triton us':>10}"
+        f"{'of copy':>8} {'torch us':>9} {'route+align: torch us':>22} {'one program':>12} "
+        f"{'parallel':>9} {'align: torch us':>16} {'one program':>12} {'parallel':>9}"
     )
     rows = []
     for batch in args.batch:
@@ -250,8 +266,9 @@ def main() -> None:
             f"{batch:>6} {row['experts_touched']:>8} {row['weight_bytes'] / 1e6:>8.1f} "
             f"{row['copy_us']:>8.1f} {row['fused_us']:>9.1f} {row['fused_tbps']:>6.2f} "
             f"{row['fused_vs_copy']:>8.0%} {row['torch_us']:>9.1f} "
-            f"{row['route_align_torch_us']:>22.1f} {row['route_align_triton_us']:>10.1f} "
-            f"{row['align_torch_us']:>16.1f} {row['align_triton_us']:>10.1f}"
+            f"{row['route_align_torch_us']:>22.1f} {row['route_align_triton_us']:>12.1f} "
+            f"{row['route_align_parallel_us']:>9.1f} {row['align_torch_us']:>16.1f} "
+            f"{row['align_triton_us']:>12.1f} {row['align_parallel_us']:>9.1f}"
             + (
                 f"   grouped {row['grouped_us']:.1f} us, rows {row['rows_us']:.1f} us, "
                 f"route alone {row['route_triton_us']:.1f} us"

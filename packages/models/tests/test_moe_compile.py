@@ -88,3 +88,24 @@ def test_the_few_token_kernels_compile(scaling, block, pack, tmp_path):
     options = {"num_warps": down_warps}
     ptx += assembled(_down_rows, down, constants | widen, options, tmp_path)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == bool(scaling)
+
+
+@pytest.mark.parametrize("route", [True, False], ids=["route", "ids"])
+def test_the_parallel_alignment_compiles(route, tmp_path):
+    """Its two launches at Qwen3-30B-A3B's router (128 experts, top-8), as
+    ``route_align_parallel`` and ``align_parallel`` launch them."""
+    from nano_models.layers.moe_triton import PLACE_BLOCK, _count_kernel, _place_kernel
+
+    pointers = {"logits": "*bf16", "weights": "*bf16", "ids": "*i32", "counts": "*i32"}
+    pointers["sorted_pairs"] = "*i32"
+    block_t = 4 if route else 1
+    constants = {"ROUTE": route, "TOP_K": 8 if route else 1, "RENORMALIZE": True}
+    constants |= {"BLOCK_T": block_t, "BLOCK_K": 8 if route else 1, "BLOCK_E": 128}
+    ptx = assembled(
+        _count_kernel, pointers, constants | {"BLOCK": PLACE_BLOCK}, {"num_warps": 2}, tmp_path
+    )
+    assert "atom.global" in ptx or "red.global" in ptx
+    pointers = {n: "*i32" for n in ("ids", "counts", "sorted_pairs", "tile_experts", "used")}
+    constants = {"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK": PLACE_BLOCK}
+    ptx = assembled(_place_kernel, pointers, constants, {"num_warps": 4}, tmp_path)
+    assert "atom.global" in ptx

@@ -18,10 +18,12 @@ from nano_models.layers.moe import ExpertScales, moe_torch, route
 from nano_models.layers.moe_tiles import as_kwargs, choose, rule
 from nano_models.layers.moe_triton import (
     align,
+    align_parallel,
     align_torch,
     align_triton,
     fused_moe,
     route_align,
+    route_align_parallel,
     route_align_triton,
     routed_moe,
 )
@@ -70,7 +72,19 @@ def weights_of(experts, inter, hidden, dtype, seed):
     return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("how", [align_torch, align_triton], ids=["torch", "triton"])
+def in_order(sorted_pairs: list[int], runs: list[int]) -> list[int]:
+    """``sorted_pairs`` with each expert's run (lengths ``runs``) sorted: the parallel
+    alignment places an expert's pairs in no set order."""
+    out, start = [], 0
+    for n in runs:
+        out += sorted(sorted_pairs[start : start + n])
+        start += n
+    return out + sorted_pairs[start:]
+
+
+@pytest.mark.parametrize(
+    "how", [align_torch, align_triton, align_parallel], ids=["torch", "triton", "parallel"]
+)
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize(
     "tokens,experts,top_k,kind",
@@ -80,6 +94,8 @@ def weights_of(experts, inter, hidden, dtype, seed):
         (37, 16, 4, "skewed"),
         (64, 6, 2, "unused"),
         (50, 60, 8, "random"),  # (experts not a power of two; 400 pairs: 7 chunks)
+        (300, 128, 8, "skewed"),  # (2,400 pairs: 38 programs of the parallel one, one expert's
+        # pairs from all of them)
     ],
 )
 def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, kind, block_m, how):
@@ -88,15 +104,17 @@ def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, k
     pairs = tokens * top_k
     flat = ids.flatten().cpu().tolist()
     # Brute force: each expert's pairs in order, padded to a multiple of block_m.
-    expected, owners = [], []
+    expected, owners, runs = [], [], []
     for e in range(experts):
         mine = [p for p in range(pairs) if flat[p] == e]
         if mine:
             run = mine + [pairs] * (-len(mine) % block_m)
             expected += run
             owners += [e] * (len(run) // block_m)
+            runs.append(len(run))
     assert used.item() == len(expected)
-    assert sorted_pairs[: len(expected)].tolist() == expected
+    got = sorted_pairs[: len(expected)].tolist()
+    assert (in_order(got, runs) if how is align_parallel else got) == expected
     assert (sorted_pairs[len(expected) :] == pairs).all()
     assert len(sorted_pairs) % block_m == 0
     assert len(sorted_pairs) >= pairs + min(experts, pairs) * (block_m - 1)
@@ -112,24 +130,35 @@ def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, k
         (37, 16, 4, True),  # (chunks of tokens: 128 at 16 experts)
         (50, 60, 8, False),  # (experts not a power of two)
         (40, 128, 8, True),  # Qwen3-30B-A3B's router: 16 tokens a chunk
+        (300, 128, 8, True),  # (2,400 pairs: many programs of the parallel one)
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_route_align_chooses_as_torch_does(tokens, experts, top_k, renormalize, dtype):
+@pytest.mark.parametrize(
+    "how", [route_align_triton, route_align_parallel], ids=["one program", "parallel"]
+)
+def test_route_align_chooses_as_torch_does(tokens, experts, top_k, renormalize, dtype, how):
     g = torch.Generator().manual_seed(tokens * experts + top_k)
     # Distinct logits in each row (steps of 0.05, exact enough in bf16: no two equal), so the
     # choice and its order are torch's; among equal ones any order is right.
     ranks = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)
     logits = (ranks * 0.05 - 3).to(DEVICE, dtype)
     block_m = 16
-    weights, ids, aligned = route_align_triton(logits, top_k, renormalize, dtype, block_m)
+    weights, ids, aligned = how(logits, top_k, renormalize, dtype, block_m)
     want_w, want_ids = route(logits, top_k, renormalize, dtype)
     assert weights.dtype == dtype and weights.shape == ids.shape == (tokens, top_k)
     assert ids.long().cpu().tolist() == want_ids.cpu().tolist()
     tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 8e-3}
     torch.testing.assert_close(weights.cpu(), want_w.cpu(), **tol)
-    for got, want in zip(aligned, align_torch(want_ids, experts, block_m), strict=True):
-        assert got.cpu().tolist() == want.cpu().tolist()
+    want = align_torch(want_ids, experts, block_m)
+    got = aligned[0].cpu().tolist()
+    if how is route_align_parallel:  # (an expert's pairs in no set order)
+        tiles = aligned[1].cpu()
+        runs = torch.bincount(tiles[tiles < experts], minlength=experts) * block_m
+        got = in_order(got, runs[runs > 0].tolist())
+    assert got == want[0].cpu().tolist()
+    assert aligned[1].cpu().tolist() == want[1].cpu().tolist()  # (the tiles' experts)
+    assert aligned[2].cpu().tolist() == want[2].cpu().tolist()  # (the length used)
 
 
 def test_route_align_of_a_strided_logits_view():
@@ -141,26 +170,36 @@ def test_route_align_of_a_strided_logits_view():
     torch.testing.assert_close(weights, want_w)
 
 
-def test_one_launch_for_decode_and_torch_for_long_prefills(monkeypatch):
+def test_one_program_for_decode_many_for_long_prefills_torch_off_cuda(monkeypatch):
     import nano_models.layers.moe_triton as moe_triton
 
     ids = routing(40, 16, 4, "random", seed=1)
     calls = []
-    for name in ("align_triton", "align_torch"):
+    for name in ("align_triton", "align_parallel", "align_torch"):
         monkeypatch.setattr(moe_triton, name, lambda *a, name=name: calls.append(name) or ())
+    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
     monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
     align(ids, 16, 16)
     monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
     align(ids, 16, 16)
-    assert calls == (["align_triton", "align_torch"] if DEVICE == "cuda" else ["align_torch"] * 2)
-    # route_align: the program's ids are int32, torch's topk gives int64.
-    monkeypatch.undo()
+    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", False)
+    align(ids, 16, 16)
+    cuda = ["align_triton", "align_parallel", "align_torch"]
+    assert calls == (cuda if DEVICE == "cuda" else ["align_torch"] * 3)
+    calls.clear()
+    for name in ("route_align_triton", "route_align_parallel"):
+        monkeypatch.setattr(moe_triton, name, lambda *a, name=name: calls.append(name) or (0, 0, 0))
     logits = torch.randn(40, 16, device=DEVICE)
+    torch_ids = route_align(logits, 4, True, torch.float32, 16)[1]  # (159 at most in one program)
+    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
+    route_align(logits, 4, True, torch.float32, 16)
     monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
-    one = route_align(logits, 4, True, torch.float32, 16)[1].dtype
-    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
-    assert route_align(logits, 4, True, torch.float32, 16)[1].dtype == torch.int64
-    assert one == (torch.int32 if DEVICE == "cuda" else torch.int64)
+    route_align(logits, 4, True, torch.float32, 16)
+    assert torch_ids.dtype == torch.int64  # (torch's topk)
+    if DEVICE == "cuda":
+        assert calls == ["align_torch", "route_align_parallel", "route_align_triton"]
+    else:
+        assert calls == ["align_torch"] * 3
 
 
 CASES = [  # tokens, experts, intermediate, hidden, top_k, routing
@@ -274,9 +313,21 @@ def test_choose_falls_back_to_the_rule_for_unmeasured_shapes():
     assert (up, down) == tuple(as_kwargs(t) for t in rule(7, 2))
 
 
+@pytest.fixture(params=["default", "parallel"])
+def alignment(request, monkeypatch):
+    """The alignment as chosen, or the parallel launches at every size (an expert's pairs
+    placed in no set order: the outputs must not depend on it, bit for bit)."""
+    if request.param == "parallel":
+        import nano_models.layers.moe_triton as moe_triton
+
+        monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
+        monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 0)
+    return request.param
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("tokens", [1, 32, 256])
-def test_a_cuda_graph_replays_other_routings(tokens):
+def test_a_cuda_graph_replays_other_routings(tokens, alignment):
     experts, inter, hidden, top_k = 128, 96, 256, 8
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
     w13, w2 = weights_of(experts, inter, hidden, torch.bfloat16, seed=4)
@@ -297,7 +348,7 @@ def test_a_cuda_graph_replays_other_routings(tokens):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("tokens", [1, 32, 256])
-def test_a_cuda_graph_replays_the_routing_of_other_logits(tokens):
+def test_a_cuda_graph_replays_the_routing_of_other_logits(tokens, alignment):
     experts, inter, hidden, top_k = 128, 96, 256, 8
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device=DEVICE, dtype=torch.bfloat16)

@@ -1,8 +1,12 @@
 """Mixture of experts on the GPU in a few launches (Triton).
 
-The router's top-k choice and the (token, slot) pairs' alignment run in one program for
-decode-sized batches (``route_align``): each token's softmax over its expert logits and top-k,
-then the pairs sorted by expert, each expert's run padded to a multiple of the tile height.
+The router's top-k choice and the (token, slot) pairs' alignment (``route_align``): each
+token's softmax over its expert logits and top-k, then the pairs sorted by expert, each
+expert's run padded to a multiple of the tile height. One program does it all for
+decode-sized batches; past that torch's ops, or (``PARALLEL_ALIGN``, not yet timed on a GPU)
+two launches of many programs (``route_align_parallel``): one routes its tokens and counts
+their experts, the other reserves each expert's places with an atomic add a program and
+expert and puts its pairs there.
 Then one launch computes every expert's gate and up projections of its tokens and SiLU-and-mul
 in its epilogue (``w13``), one launch the down projections (``w2``) scaled by the routing
 weights, and a sum adds each token's k outputs. Every shape depends on the number of tokens
@@ -34,19 +38,22 @@ from nano_models.layers.triton_tiles import grouped_tile
 
 # Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
 # instead of torch's ~20 (each a few microseconds even in a CUDA graph). The program walks the
-# pairs 64 at a time, so past some count torch's parallel ops win. Measured on an H200
-# (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; torch's ops / the program):
-# 8 pairs 57 / 13 us, 256: 102 / 29, 512: 109 / 49, 1,024: 113 / 89, 2,048: 114 / 170.
+# pairs 64 at a time, so past some count many programs win (``route_align_parallel``). Measured
+# on an H200 (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; torch's ops / the
+# program): 8 pairs 57 / 13 us, 256: 102 / 29, 512: 109 / 49, 1,024: 113 / 89, 2,048: 114 / 170.
 ONE_PROGRAM_PAIRS = 1024
+# Pairs a program of the parallel alignment places.
+PLACE_BLOCK = 64
+# Past ONE_PROGRAM_PAIRS: the parallel launches (True) or torch's ops (False). Off until timed
+# on a GPU: written and checked on the CPU (Triton's interpreter; compiled for sm_90a) in a
+# session whose device time had run out. Torch's ops take ~114 us a layer at 256 tokens of
+# Qwen3-30B-A3B (bench_moe), a quarter of the layer.
+PARALLEL_ALIGN = False
 
 
 def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
     length = pairs + min(num_experts, pairs) * (block_m - 1)
     return -(-length // block_m) * block_m
-
-
-def _one_program(ids_or_logits: torch.Tensor, pairs: int) -> bool:
-    return ids_or_logits.is_cuda and pairs <= ONE_PROGRAM_PAIRS
 
 
 def align(
@@ -57,10 +64,15 @@ def align(
     order within an expert; padding holds T * k), ``tile_experts`` [P / block_m] int32 (the
     expert of each tile; ``num_experts`` past the used tiles) and ``used`` [1] int32 (the
     padded length used). P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most
-    any routing needs. One Triton launch on CUDA for up to ``ONE_PROGRAM_PAIRS`` pairs, else
-    torch's ops; both give the same tensors."""
-    if _one_program(ids, ids.numel()):
+    any routing needs. On CUDA one Triton launch of one program up to ``ONE_PROGRAM_PAIRS``
+    pairs, past that two of many with ``PARALLEL_ALIGN`` (where an expert's pairs come in no
+    set order); torch's ops elsewhere."""
+    if not ids.is_cuda:
+        return align_torch(ids, num_experts, block_m)
+    if ids.numel() <= ONE_PROGRAM_PAIRS:
         return align_triton(ids, num_experts, block_m)
+    if PARALLEL_ALIGN:
+        return align_parallel(ids, num_experts, block_m)
     return align_torch(ids, num_experts, block_m)
 
 
@@ -68,10 +80,12 @@ def route_align(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``route`` then ``align``: (weights [T, k] in ``dtype``, expert ids [T, k], the aligned
-    pairs). One Triton launch on CUDA for up to ``ONE_PROGRAM_PAIRS`` pairs, else torch's
-    ops."""
-    if _one_program(router_logits, router_logits.shape[0] * top_k):
+    pairs). On CUDA one Triton launch of one program up to ``ONE_PROGRAM_PAIRS`` pairs, past
+    that two of many with ``PARALLEL_ALIGN``; torch's ops elsewhere."""
+    if router_logits.is_cuda and router_logits.shape[0] * top_k <= ONE_PROGRAM_PAIRS:
         return route_align_triton(router_logits, top_k, renormalize, dtype, block_m)
+    if router_logits.is_cuda and PARALLEL_ALIGN:
+        return route_align_parallel(router_logits, top_k, renormalize, dtype, block_m)
     weights, ids = route(router_logits, top_k, renormalize, dtype)
     return weights, ids, align_torch(ids, router_logits.shape[1], block_m)
 
@@ -107,6 +121,100 @@ def route_align_triton(
         num_warps=4,
     )
     return weights, ids, aligned
+
+
+def route_align_parallel(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``route_align`` in two launches of many programs (for prefills and large batches): the
+    ids in int32, among equal probabilities the lower expert id first; an expert's pairs in
+    no set order (each pair's product is its own row of the grouped GEMMs, so the results do
+    not depend on it)."""
+    tokens, experts = router_logits.shape
+    device = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    aligned = _aligned_buffers(tokens * top_k, experts, block_m, device)
+    counts = torch.zeros(2, experts, dtype=torch.int32, device=device)  # (counts, places taken)
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    # A few tokens a program (512 logits), a warp per 256 of them.
+    block_e = triton.next_power_of_2(experts)
+    block_t = min(triton.next_power_of_2(tokens), max(1, 512 // block_e))
+    _count_kernel[(triton.cdiv(tokens, block_t),)](
+        router_logits,
+        weights,
+        ids,
+        counts,
+        aligned[0],
+        tokens,
+        tokens * top_k,
+        aligned[0].numel(),
+        experts,
+        router_logits.stride(0),
+        ROUTE=True,
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=block_e,
+        BLOCK=PLACE_BLOCK,
+        num_warps=min(4, max(1, block_t * block_e // 256)),
+    )
+    _place(ids.reshape(-1), counts, aligned, block_m)
+    return weights, ids, aligned
+
+
+def align_parallel(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align`` in two launches of many programs (an expert's pairs in no set order)."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    aligned = _aligned_buffers(pairs, num_experts, block_m, ids.device)
+    counts = torch.zeros(2, num_experts, dtype=torch.int32, device=ids.device)
+    _count_kernel[(triton.cdiv(pairs, PLACE_BLOCK),)](
+        flat,
+        flat,
+        flat,
+        counts,
+        aligned[0],
+        0,
+        pairs,
+        aligned[0].numel(),
+        num_experts,
+        0,
+        ROUTE=False,
+        TOP_K=1,
+        RENORMALIZE=False,
+        BLOCK_T=1,
+        BLOCK_K=1,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=PLACE_BLOCK,
+        num_warps=4,
+    )
+    _place(flat, counts, aligned, block_m)
+    return aligned
+
+
+def _place(flat_ids: torch.Tensor, counts: torch.Tensor, aligned: tuple, block_m: int) -> None:
+    """The parallel alignment's second launch: every pair to its place, the tiles' experts."""
+    sorted_pairs, tile_experts, used = aligned
+    num_experts = counts.shape[1]
+    _place_kernel[(triton.cdiv(flat_ids.numel(), PLACE_BLOCK),)](
+        flat_ids,
+        counts,
+        sorted_pairs,
+        tile_experts,
+        used,
+        flat_ids.numel(),
+        sorted_pairs.numel(),
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=PLACE_BLOCK,
+        num_warps=4,
+    )
 
 
 def route_triton(
@@ -218,30 +326,64 @@ def _route(
     """Each token's softmax over its experts' logits (float32) and its TOP_K most probable
     experts, most probable first (renormalized to sum to 1 with RENORMALIZE): ``weights`` and
     ``ids`` [tokens, TOP_K]. BLOCK_T tokens at a time."""
+    for start in range(0, tokens, BLOCK_T):
+        _route_block(
+            logits,
+            weights,
+            ids,
+            start,
+            tokens,
+            num_experts,
+            stride_t,
+            TOP_K,
+            RENORMALIZE,
+            BLOCK_T,
+            BLOCK_K,
+            BLOCK_E,
+        )
+
+
+@triton.jit
+def _route_block(
+    logits,
+    weights,
+    ids,
+    start,
+    tokens,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """``_route`` of tokens start..start + BLOCK_T; returns their [BLOCK_T, BLOCK_K] experts,
+    -1 past the last token and slot."""
     e = tl.arange(0, BLOCK_E)
     slot = tl.arange(0, BLOCK_K)
     expert = (e < num_experts)[None, :]
-    for start in range(0, tokens, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        live = t < tokens
-        ptrs = logits + t.to(tl.int64)[:, None] * stride_t + e[None, :]
-        x = tl.load(ptrs, mask=live[:, None] & expert, other=0.0).to(tl.float32)
-        x = tl.where(expert, x, float("-inf"))
-        p = tl.exp(x - tl.max(x, 1)[:, None])
-        p = tl.where(expert, p / tl.sum(p, 1)[:, None], -1.0)
-        chosen_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        chosen_e = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.argmax(p, 1, tie_break_left=True).to(tl.int32)
-            chosen_w = tl.where(slot[None, :] == j, tl.max(p, 1)[:, None], chosen_w)
-            chosen_e = tl.where(slot[None, :] == j, best[:, None], chosen_e)
-            p = tl.where(e[None, :] == best[:, None], -1.0, p)  # (taken)
-        if RENORMALIZE:
-            chosen_w = chosen_w / tl.sum(chosen_w, 1)[:, None]
-        offs = t[:, None] * TOP_K + slot[None, :]
-        mask = live[:, None] & (slot[None, :] < TOP_K)
-        tl.store(weights + offs, chosen_w.to(weights.dtype.element_ty), mask=mask)
-        tl.store(ids + offs, chosen_e, mask=mask)
+    t = start + tl.arange(0, BLOCK_T)
+    live = t < tokens
+    ptrs = logits + t.to(tl.int64)[:, None] * stride_t + e[None, :]
+    x = tl.load(ptrs, mask=live[:, None] & expert, other=0.0).to(tl.float32)
+    x = tl.where(expert, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = tl.where(expert, p / tl.sum(p, 1)[:, None], -1.0)
+    chosen_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    chosen_e = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, 1, tie_break_left=True).to(tl.int32)
+        chosen_w = tl.where(slot[None, :] == j, tl.max(p, 1)[:, None], chosen_w)
+        chosen_e = tl.where(slot[None, :] == j, best[:, None], chosen_e)
+        p = tl.where(e[None, :] == best[:, None], -1.0, p)  # (taken)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.sum(chosen_w, 1)[:, None]
+    offs = t[:, None] * TOP_K + slot[None, :]
+    mask = live[:, None] & (slot[None, :] < TOP_K)
+    tl.store(weights + offs, chosen_w.to(weights.dtype.element_ty), mask=mask)
+    tl.store(ids + offs, chosen_e, mask=mask)
+    return tl.where(mask, chosen_e, -1)
 
 
 @triton.jit(do_not_specialize=["tokens"])
@@ -327,6 +469,97 @@ def _align_kernel(
         base = tl.sum(onehot * (starts + placed)[None, :], 1)
         tl.store(sorted_pairs + base + rank, offs, mask=offs < pairs)
         placed += tl.sum(onehot, 0)
+
+
+@triton.jit(do_not_specialize=["tokens", "pairs", "length"])
+def _count_kernel(
+    logits,
+    weights,
+    ids,
+    counts,
+    sorted_pairs,
+    tokens,
+    pairs,
+    length,
+    num_experts,
+    stride_t,
+    ROUTE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The parallel alignment's first launch. With ROUTE a program routes tokens
+    pid * BLOCK_T.. (``_route_block``), else it reads pairs pid * BLOCK.. of ``ids``; it adds
+    its pairs' experts to ``counts`` [0] (one atomic add an expert it saw) and fills its share
+    of ``sorted_pairs`` with the padding (``pairs``), which the placement overwrites."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    if ROUTE:
+        chosen = _route_block(
+            logits,
+            weights,
+            ids,
+            pid * BLOCK_T,
+            tokens,
+            num_experts,
+            stride_t,
+            TOP_K,
+            RENORMALIZE,
+            BLOCK_T,
+            BLOCK_K,
+            BLOCK_E,
+        )
+        x = tl.reshape(chosen, [BLOCK_T * BLOCK_K])
+    else:
+        _, x = _experts_of(ids, pid * BLOCK, pairs, BLOCK)
+    seen = tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
+    tl.atomic_add(counts + e, seen, mask=seen > 0)
+    padding = tl.zeros([BLOCK], dtype=tl.int32) + pairs
+    for start in range(pid * BLOCK, length, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_pairs + offs, padding, mask=offs < length)
+
+
+@triton.jit(do_not_specialize=["pairs", "length"])
+def _place_kernel(
+    ids,
+    counts,
+    sorted_pairs,
+    tile_experts,
+    used,
+    pairs,
+    length,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The parallel alignment's second launch: each program lays the padded runs out from
+    ``counts`` [0] (a prefix sum), takes its places in each expert's run that its pairs
+    pid * BLOCK.. need (an atomic add to ``counts`` [1]) and puts them there in their order;
+    the programs share the tiles' experts; program 0 writes ``used``."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    count = tl.load(counts + e, mask=e < num_experts, other=0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    offs, x = _experts_of(ids, pid * BLOCK, pairs, BLOCK)
+    onehot = (x[:, None] == e[None, :]).to(tl.int32)
+    mine = tl.sum(onehot, 0)
+    taken = tl.atomic_add(counts + num_experts + e, mine, mask=mine > 0)
+    first = tl.where(mine > 0, ends - padded + taken, 0)
+    rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
+    tl.store(sorted_pairs + tl.sum(onehot * first[None, :], 1) + rank, offs, mask=offs < pairs)
+    tiles = length // BLOCK_M
+    for start in range(pid * BLOCK, tiles, tl.num_programs(0) * BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        before = (ends[None, :] <= (tile * BLOCK_M)[:, None]) & (e[None, :] < num_experts)
+        tl.store(tile_experts + tile, tl.sum(before.to(tl.int32), 1), mask=tile < tiles)
+    if pid == 0:
+        tl.store(used, tl.sum(padded, 0))
 
 
 @triton.jit(do_not_specialize=["tokens", "length"])
@@ -588,6 +821,8 @@ def routed_moe(
 
 
 def _tiles(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict, dict]:
+    """The tiles of x's tokens, by the activations' dtype (e4m3 experts take bf16's: a table
+    tuned for e4m3 launch by launch was slower in the engine, benchmarks/RESULTS.md)."""
     from nano_models.layers.moe_tiles import choose
 
     experts, inter2, hidden = w13.shape
