@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from nano_engine.config import EngineConfig
 from nano_engine.data_parallel import Backend
 from nano_engine.data_parallel.replica import (
+    STATS_PERIOD,
     Batch,
     ReplicaCore,
     ReplicaGone,
@@ -99,7 +100,7 @@ def _replica_main(
     threading.Thread(target=serve_commands, name="nano-replica-commands", daemon=True).start()
     try:
         while not stopped.is_set():
-            batch = core.outputs(0.5)
+            batch = core.outputs(STATS_PERIOD)
             with sending:
                 results.send(("batch", batch))
     except (BrokenPipeError, OSError):

@@ -19,6 +19,7 @@ import time
 from nano_engine.config import EngineConfig
 from nano_engine.data_parallel import Backend
 from nano_engine.data_parallel.replica import (
+    STATS_PERIOD,
     Batch,
     ReplicaCore,
     ReplicaGone,
@@ -62,7 +63,9 @@ class RayReplica(ReplicaHandle):
         deadline = None
         while True:
             try:
-                return ray.get(self.actor.outputs.options(concurrency_group=_POLL).remote(0.5))
+                return ray.get(
+                    self.actor.outputs.options(concurrency_group=_POLL).remote(STATS_PERIOD)
+                )
             except unavailable as e:  # (unreachable for now: it may come back)
                 deadline = deadline or time.monotonic() + _UNAVAILABLE
                 if time.monotonic() < deadline and not self.closed:

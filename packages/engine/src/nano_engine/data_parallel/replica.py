@@ -26,6 +26,11 @@ from nano_engine.stats import EngineStats
 from nano_engine.streams import RequestStream
 from nano_scheduler import SamplingParams
 
+# A replica sends a batch at least this often, outputs or not: the front's /metrics gauges of
+# its queues are at most this old (at 0.5 s a short request could run and finish between two
+# batches, never seen running).
+STATS_PERIOD = 0.1
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -176,7 +181,7 @@ class ReplicaCore:
         request's submission.)"""
         self.engine.abort(request_id)
 
-    def outputs(self, timeout: float = 0.5) -> Batch:
+    def outputs(self, timeout: float = STATS_PERIOD) -> Batch:
         """Every output since the last call (waiting up to ``timeout`` seconds for one)."""
         with self._cond:
             if not self._ready and not self._failed:
