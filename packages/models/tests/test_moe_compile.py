@@ -70,9 +70,9 @@ def test_the_grouped_gemms_compile(scaling, block, gated, tokens, tmp_path):
 @pytest.mark.parametrize("pack", [1, 4], ids=["values", "words"])
 @pytest.mark.parametrize("scaling,block", SCALINGS)
 def test_the_few_token_kernels_compile(scaling, block, pack, tmp_path):
+    """At the tiles Qwen3-30B-A3B's layer takes (``moe_rows.launch_tiles``)."""
     if pack == 4 and not scaling:
         pytest.skip("bf16 experts are read as values")
-    """At the tiles Qwen3-30B-A3B's layer takes (``moe_rows.launch_tiles``)."""
     widen = {"SCALE_BLOCK": block, "SCALING": scaling, "PACK": pack, "E4M3_ASM": pack == 4}
     (up_n, up_k, up_warps), (down_n, down_k, down_warps) = launch_tiles(
         bool(scaling), 8, 768, block, block
@@ -94,18 +94,18 @@ def test_the_few_token_kernels_compile(scaling, block, pack, tmp_path):
 def test_the_parallel_alignment_compiles(route, tmp_path):
     """Its two launches at Qwen3-30B-A3B's router (128 experts, top-8), as
     ``route_align_parallel`` and ``align_parallel`` launch them."""
-    from nano_models.layers.moe_triton import PLACE_BLOCK, _count_kernel, _place_kernel
+    from nano_models.layers.moe_triton import _count_kernel, _place_block, _place_kernel
 
     pointers = {"logits": "*bf16", "weights": "*bf16", "ids": "*i32", "counts": "*i32"}
     pointers["sorted_pairs"] = "*i32"
     block_t = 4 if route else 1
     constants = {"ROUTE": route, "TOP_K": 8 if route else 1, "RENORMALIZE": True}
     constants |= {"BLOCK_T": block_t, "BLOCK_K": 8 if route else 1, "BLOCK_E": 128}
-    ptx = assembled(
-        _count_kernel, pointers, constants | {"BLOCK": PLACE_BLOCK}, {"num_warps": 2}, tmp_path
-    )
+    block = {"BLOCK": _place_block(128)}
+    warps = {"num_warps": 2 if route else 4}
+    ptx = assembled(_count_kernel, pointers, constants | block, warps, tmp_path)
     assert "atom.global" in ptx or "red.global" in ptx
     pointers = {n: "*i32" for n in ("ids", "counts", "sorted_pairs", "tile_experts", "used")}
-    constants = {"BLOCK_M": 16, "BLOCK_E": 128, "BLOCK": PLACE_BLOCK}
+    constants = {"BLOCK_M": 16, "BLOCK_E": 128, **block}
     ptx = assembled(_place_kernel, pointers, constants, {"num_warps": 4}, tmp_path)
     assert "atom.global" in ptx

@@ -96,6 +96,7 @@ def in_order(sorted_pairs: list[int], runs: list[int]) -> list[int]:
         (50, 60, 8, "random"),  # (experts not a power of two; 400 pairs: 7 chunks)
         (300, 128, 8, "skewed"),  # (2,400 pairs: 38 programs of the parallel one, one expert's
         # pairs from all of them)
+        (40, 600, 4, "random"),  # (1,024 experts' one-hots: 16 pairs a parallel program)
     ],
 )
 def test_align_sorts_pairs_by_expert_into_padded_tiles(tokens, experts, top_k, kind, block_m, how):
@@ -159,6 +160,14 @@ def test_route_align_chooses_as_torch_does(tokens, experts, top_k, renormalize, 
     assert got == want[0].cpu().tolist()
     assert aligned[1].cpu().tolist() == want[1].cpu().tolist()  # (the tiles' experts)
     assert aligned[2].cpu().tolist() == want[2].cpu().tolist()  # (the length used)
+
+
+def test_the_parallel_alignment_of_no_pair():
+    ids = torch.empty(0, 4, dtype=torch.int64, device=DEVICE)
+    assert align_parallel(ids, 16, 16)[2].item() == 0
+    logits = torch.empty(0, 16, device=DEVICE)
+    weights, ids, aligned = route_align_parallel(logits, 4, True, torch.float32, 16)
+    assert weights.shape == ids.shape == (0, 4) and aligned[2].item() == 0
 
 
 def test_route_align_of_a_strided_logits_view():
@@ -315,8 +324,9 @@ def test_choose_falls_back_to_the_rule_for_unmeasured_shapes():
 
 @pytest.fixture(params=["default", "parallel"])
 def alignment(request, monkeypatch):
-    """The alignment as chosen, or the parallel launches at every size (an expert's pairs
-    placed in no set order: the outputs must not depend on it, bit for bit)."""
+    """The alignment as chosen, or the parallel launches at every size that aligns (past
+    ``moe_rows.ROWS_TOKENS`` in ``routed_moe``; an expert's pairs placed in no set order: the
+    outputs must not depend on it, bit for bit)."""
     if request.param == "parallel":
         import nano_models.layers.moe_triton as moe_triton
 

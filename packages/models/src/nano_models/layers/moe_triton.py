@@ -42,13 +42,16 @@ from nano_models.layers.triton_tiles import grouped_tile
 # on an H200 (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; torch's ops / the
 # program): 8 pairs 57 / 13 us, 256: 102 / 29, 512: 109 / 49, 1,024: 113 / 89, 2,048: 114 / 170.
 ONE_PROGRAM_PAIRS = 1024
-# Pairs a program of the parallel alignment places.
+# Pairs a program of the parallel alignment places (at most: ``_place_block``).
 PLACE_BLOCK = 64
 # Past ONE_PROGRAM_PAIRS: the parallel launches (True) or torch's ops (False). Off until timed
 # on a GPU: written and checked on the CPU (Triton's interpreter; compiled for sm_90a) in a
 # session whose device time had run out. Torch's ops take ~114 us a layer at 256 tokens of
 # Qwen3-30B-A3B (bench_moe), a quarter of the layer.
 PARALLEL_ALIGN = False
+# The parallel alignment reads back what a vector atomic add returns in every thread: Triton
+# before 3.5 gave 0 to the threads that did not do the add (triton-lang/triton#7402).
+_ATOMICS_RETURN = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 5)
 
 
 def _aligned_length(pairs: int, num_experts: int, block_m: int) -> int:
@@ -71,7 +74,7 @@ def align(
         return align_torch(ids, num_experts, block_m)
     if ids.numel() <= ONE_PROGRAM_PAIRS:
         return align_triton(ids, num_experts, block_m)
-    if PARALLEL_ALIGN:
+    if PARALLEL_ALIGN and _ATOMICS_RETURN:
         return align_parallel(ids, num_experts, block_m)
     return align_torch(ids, num_experts, block_m)
 
@@ -84,7 +87,7 @@ def route_align(
     that two of many with ``PARALLEL_ALIGN``; torch's ops elsewhere."""
     if router_logits.is_cuda and router_logits.shape[0] * top_k <= ONE_PROGRAM_PAIRS:
         return route_align_triton(router_logits, top_k, renormalize, dtype, block_m)
-    if router_logits.is_cuda and PARALLEL_ALIGN:
+    if router_logits.is_cuda and PARALLEL_ALIGN and _ATOMICS_RETURN:
         return route_align_parallel(router_logits, top_k, renormalize, dtype, block_m)
     weights, ids = route(router_logits, top_k, renormalize, dtype)
     return weights, ids, align_torch(ids, router_logits.shape[1], block_m)
@@ -131,6 +134,9 @@ def route_align_parallel(
     no set order (each pair's product is its own row of the grouped GEMMs, so the results do
     not depend on it)."""
     tokens, experts = router_logits.shape
+    if tokens == 0:  # (no program to write ``used``)
+        return route_align_triton(router_logits, top_k, renormalize, dtype, block_m)
+    _check_atomics()
     device = router_logits.device
     weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
@@ -140,7 +146,7 @@ def route_align_parallel(
         router_logits = router_logits.contiguous()
     # A few tokens a program (512 logits), a warp per 256 of them.
     block_e = triton.next_power_of_2(experts)
-    block_t = min(triton.next_power_of_2(tokens), max(1, 512 // block_e))
+    block_t = min(triton.next_power_of_2(tokens), max(1, 512 // block_e))  # (tokens > 0)
     _count_kernel[(triton.cdiv(tokens, block_t),)](
         router_logits,
         weights,
@@ -158,7 +164,7 @@ def route_align_parallel(
         BLOCK_T=block_t,
         BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_E=block_e,
-        BLOCK=PLACE_BLOCK,
+        BLOCK=_place_block(experts),
         num_warps=min(4, max(1, block_t * block_e // 256)),
     )
     _place(ids.reshape(-1), counts, aligned, block_m)
@@ -171,9 +177,13 @@ def align_parallel(
     """``align`` in two launches of many programs (an expert's pairs in no set order)."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
+    if pairs == 0:  # (no program to write ``used``)
+        return align_triton(ids, num_experts, block_m)
+    _check_atomics()
     aligned = _aligned_buffers(pairs, num_experts, block_m, ids.device)
     counts = torch.zeros(2, num_experts, dtype=torch.int32, device=ids.device)
-    _count_kernel[(triton.cdiv(pairs, PLACE_BLOCK),)](
+    block = _place_block(num_experts)
+    _count_kernel[(triton.cdiv(pairs, block),)](
         flat,
         flat,
         flat,
@@ -190,18 +200,32 @@ def align_parallel(
         BLOCK_T=1,
         BLOCK_K=1,
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK=PLACE_BLOCK,
+        BLOCK=block,
         num_warps=4,
     )
     _place(flat, counts, aligned, block_m)
     return aligned
 
 
+def _place_block(num_experts: int) -> int:
+    """Pairs a program of the parallel alignment takes: ``PLACE_BLOCK``, fewer where a
+    one-hot of them over the experts would pass 8,192 values."""
+    return max(16, min(PLACE_BLOCK, 8192 // triton.next_power_of_2(num_experts)))
+
+
+def _check_atomics() -> None:
+    if not _ATOMICS_RETURN:
+        raise RuntimeError(
+            f"the parallel MoE alignment needs Triton 3.5 or later (this is {triton.__version__})"
+        )
+
+
 def _place(flat_ids: torch.Tensor, counts: torch.Tensor, aligned: tuple, block_m: int) -> None:
     """The parallel alignment's second launch: every pair to its place, the tiles' experts."""
     sorted_pairs, tile_experts, used = aligned
     num_experts = counts.shape[1]
-    _place_kernel[(triton.cdiv(flat_ids.numel(), PLACE_BLOCK),)](
+    block = _place_block(num_experts)
+    _place_kernel[(triton.cdiv(flat_ids.numel(), block),)](
         flat_ids,
         counts,
         sorted_pairs,
@@ -212,7 +236,7 @@ def _place(flat_ids: torch.Tensor, counts: torch.Tensor, aligned: tuple, block_m
         num_experts,
         BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK=PLACE_BLOCK,
+        BLOCK=block,
         num_warps=4,
     )
 
@@ -516,7 +540,7 @@ def _count_kernel(
     else:
         _, x = _experts_of(ids, pid * BLOCK, pairs, BLOCK)
     seen = tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
-    tl.atomic_add(counts + e, seen, mask=seen > 0)
+    tl.atomic_add(counts + e, seen, mask=seen > 0, sem="relaxed")  # (read by the next launch)
     padding = tl.zeros([BLOCK], dtype=tl.int32) + pairs
     for start in range(pid * BLOCK, length, tl.num_programs(0) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -549,7 +573,7 @@ def _place_kernel(
     offs, x = _experts_of(ids, pid * BLOCK, pairs, BLOCK)
     onehot = (x[:, None] == e[None, :]).to(tl.int32)
     mine = tl.sum(onehot, 0)
-    taken = tl.atomic_add(counts + num_experts + e, mine, mask=mine > 0)
+    taken = tl.atomic_add(counts + num_experts + e, mine, mask=mine > 0, sem="relaxed")
     first = tl.where(mine > 0, ends - padded + taken, 0)
     rank = tl.sum((tl.cumsum(onehot, 0) - onehot) * onehot, 1)
     tl.store(sorted_pairs + tl.sum(onehot * first[None, :], 1) + rank, offs, mask=offs < pairs)
