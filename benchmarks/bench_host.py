@@ -28,7 +28,7 @@ import torch
 
 from nano_engine import LLM, SamplingParams
 from nano_engine.config import EngineConfig
-from nano_engine.data_parallel.replica import ReplicaCore, RequestSpec
+from nano_engine.data_parallel.replica import STATS_PERIOD, ReplicaCore, RequestSpec
 from nano_engine.model_runner import StepResult
 from nano_engine.sampler import FusedRows
 
@@ -101,7 +101,7 @@ def run_streamed(running: int, steps: int) -> float:
     def send() -> None:  # (the replica process's main thread)
         try:
             while not done.is_set():
-                replica.send(("batch", core.outputs(0.5)))
+                replica.send(("batch", core.outputs(STATS_PERIOD)))
         except Exception as e:  # (the reader gone, a batch that does not pickle: said below)
             failed.append(e)
 

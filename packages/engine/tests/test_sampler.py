@@ -168,21 +168,30 @@ def test_fused_rows_only_for_batches_the_fused_pass_draws_alone(monkeypatch):
     batch = sampler.prepare(plain)
     assert rows.seeds[1] == int(batch.seeds[1])
     assert all(0 <= s < 2**53 for s in rows.seeds)
-    for params in (
-        SamplingParams(temperature=0.5, top_p=0.9),
-        SamplingParams(temperature=0.5, top_k=5),
-        SamplingParams(temperature=0.5, min_p=0.1),
-        SamplingParams(temperature=0, logprobs=0),
-        SamplingParams(temperature=0.5, repetition_penalty=1.2),
-        SamplingParams(temperature=0.5, frequency_penalty=0.5),
-        SamplingParams(temperature=0.5, presence_penalty=0.5),
+    for seq_id, params in enumerate(
+        (
+            SamplingParams(temperature=0.5, top_p=0.9),
+            SamplingParams(temperature=0.5, top_k=5),
+            SamplingParams(temperature=0.5, min_p=0.1),
+            SamplingParams(temperature=0, logprobs=0),
+            SamplingParams(temperature=0.5, repetition_penalty=1.2),
+            SamplingParams(temperature=0.5, frequency_penalty=0.5),
+            SamplingParams(temperature=0.5, presence_penalty=0.5),
+            SamplingParams(temperature=0.5, logit_bias={3: 1.0}),
+            SamplingParams(temperature=0.5, allowed_token_ids=[3]),
+        ),
+        start=10,
     ):
-        assert sampler.fused_rows([*plain, Sequence(3, [1, 2], params)]) is None, params
+        assert sampler.fused_rows([*plain, Sequence(seq_id, [1, 2], params)]) is None, params
     masked = Sequence(4, [1, 2], SamplingParams(temperature=0.5, min_tokens=2))
     masked.stop_token_ids = frozenset({7})
     assert sampler.fused_rows([masked]) is None
     masked.token_ids.extend([3, 4])  # min_tokens reached: no mask any more
     assert sampler.fused_rows([masked]) is not None
+    # (a row's params are read once, at its first step, and forgotten when it is released)
+    sampler.release(10)
+    rows = sampler.fused_rows([Sequence(10, [1, 2], SamplingParams(temperature=4.0))])
+    assert rows is not None and rows.inv_temperature == [0.25]
     monkeypatch.setattr(gumbel, "available", lambda device: False)
     assert Sampler(torch.device("cpu"), VOCAB).fused_rows(plain) is None
 

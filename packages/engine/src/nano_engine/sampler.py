@@ -72,6 +72,9 @@ class Sampler:
     ) -> None:
         self.device, self.vocab_size = device, vocab_size
         self._generators: dict[int, torch.Generator] = {}
+        # per sequence, what ``fused_rows`` reads of its params (``_fused_row``), worked out
+        # at its first step (every decode step asks for every row)
+        self._fused_params: dict[int, tuple[float | None, int, bool]] = {}
         self.fused = gumbel.available(device)
         self._rng = random.Random(torch.initial_seed())  # unseeded rows' Philox seeds
         self._staging = staging
@@ -86,28 +89,39 @@ class Sampler:
         Draws the same seeds as ``prepare`` would."""
         if not self.fused:
             return None
-        inv, vocab = [], self.vocab_size
+        inv, known = [], self._fused_params
         for seq in seqs:
-            p = seq.params
+            row = known.get(seq.seq_id)
+            if row is None:
+                row = known[seq.seq_id] = self._fused_row(seq.params)
+            inv_temperature, min_tokens, constrained = row
             if (
-                p.logprobs is not None
-                or p.repetition_penalty != 1
-                or p.presence_penalty
-                or p.frequency_penalty
-                or (seq.num_output_tokens < p.min_tokens and seq.stop_token_ids)
-                or (p.structured_outputs is not None and not grammar)
-                or p.logit_bias
-                or p.allowed_token_ids
-                or p.bad_words
+                inv_temperature is None
+                or (constrained and not grammar)
+                or (min_tokens and seq.num_output_tokens < min_tokens and seq.stop_token_ids)
             ):
                 return None
-            if p.temperature == 0:
-                inv.append(0.0)
-            elif 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0:
-                return None
-            else:
-                inv.append(1 / p.temperature)
+            inv.append(inv_temperature)
         return FusedRows(inv, [self._seed(seq) for seq in seqs])
+
+    def _fused_row(self, p: SamplingParams) -> tuple[float | None, int, bool]:
+        """What of a row's params ``fused_rows`` reads: 1 / temperature (0 greedy; None where
+        the row always needs more than the fused pass), its min_tokens (a stop-token mask
+        until then), whether it is constrained by a grammar."""
+        more = (
+            p.logprobs is not None
+            or p.repetition_penalty != 1
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.logit_bias
+            or p.allowed_token_ids
+            or p.bad_words
+            or (
+                p.temperature != 0 and (0 < p.top_k < self.vocab_size or p.top_p < 1 or p.min_p > 0)
+            )
+        )
+        inv_temperature = None if more else 0.0 if p.temperature == 0 else 1 / p.temperature
+        return inv_temperature, p.min_tokens, p.structured_outputs is not None
 
     @torch.inference_mode()  # (the host buffers may be inference tensors: made in sample)
     def drawn(self, tokens: torch.Tensor) -> SampledTokens:
@@ -133,8 +147,9 @@ class Sampler:
         gumbel.gumbel_argmax(logits.to(dtype), inv_temperature, seeds, words, rows)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished sequence's generator."""
+        """Forget a finished sequence's generator and params."""
         self._generators.pop(seq_id, None)
+        self._fused_params.pop(seq_id, None)
 
     def prepare_fused(
         self, rows: FusedRows, grammar: tuple[torch.Tensor, list[int]] | None
