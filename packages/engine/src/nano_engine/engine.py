@@ -458,9 +458,14 @@ class LLMEngine:
         # (those finished while scheduling the step come first: their outputs are out already)
         for seq in finished[len(step.pending.output.finished) :]:
             self._touch(touched, seq)
+        owners = self._seq_owner
         for row, seq, position in step.pending.slots:
-            request, index = self._touch(touched, seq)
+            request, index = owners[seq.seq_id]
+            if request.stream_deltas:
+                self._touch(touched, seq)
             request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
+            if not request.stream_deltas and seq.is_finished:  # (its one output: at the end)
+                self._touch(touched, seq)
 
     def _prompt_logprobs(self, step: StepInput, logits) -> tuple | None:
         """The logprobs of the step's prompt rows (those of requests that ask), computed on the
