@@ -14,6 +14,11 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+# (a module's global: an Enum's member read through its class costs ~70 ns in CPython 3.11,
+# and the loop asks every sequence whether it finished several times a step)
+_FINISHED = SequenceStatus.FINISHED
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, max_model_len, or a KV pool too small to go on
@@ -102,7 +107,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is _FINISHED
 
     # Sent to a worker process, a decoding sequence (all but its last token computed) travels
     # without its token history: a step only needs its last token, length and block table.
