@@ -220,18 +220,11 @@ def main() -> None:
         import nano_models.layers.moe_triton as moe_triton
 
         moe_triton.PARALLEL_ALIGN = True
+    shape = (args.experts, args.intermediate, args.hidden, args.top_k, torch.bfloat16)
     if args.sweep_rows:
         sweeps = []
         for batch in args.batch:
-            res = sweep_rows(
-                batch,
-                args.experts,
-                args.intermediate,
-                args.hidden,
-                args.top_k,
-                torch.bfloat16,
-                fp8=args.fp8,
-            )
+            res = sweep_rows(batch, *shape, fp8=args.fp8)
             sweeps.append(res)
             ranked = sorted(res["up_us"].items(), key=lambda kv: kv[1])[:5]
             print(f"batch {batch}: up {res['up']} down {res['down']}: {res['us']:.1f} us")
@@ -251,16 +244,7 @@ def main() -> None:
     )
     rows = []
     for batch in args.batch:
-        row = run(
-            batch,
-            args.experts,
-            args.intermediate,
-            args.hidden,
-            args.top_k,
-            torch.bfloat16,
-            bandwidth,
-            args.fp8,
-        )
+        row = run(batch, *shape, bandwidth, args.fp8)
         rows.append(row)
         print(
             f"{batch:>6} {row['experts_touched']:>8} {row['weight_bytes'] / 1e6:>8.1f} "

@@ -462,10 +462,10 @@ class LLMEngine:
         for row, seq, position in step.pending.slots:
             request, index = owners[seq.seq_id]
             if request.stream_deltas:
-                self._touch(touched, seq)
+                _touched(touched, request, index)
             request.record(index, seq, position, tokens[row], logprobs[row], self.scheduler)
             if not request.stream_deltas and seq.is_finished:  # (its one output: at the end)
-                self._touch(touched, seq)
+                _touched(touched, request, index)
 
     def _prompt_logprobs(self, step: StepInput, logits) -> tuple | None:
         """The logprobs of the step's prompt rows (those of requests that ask), computed on the
@@ -601,10 +601,8 @@ class LLMEngine:
             work = self._token_masks.start([], [], matchers, rows)
         return self._token_masks.to_device(work.masks())
 
-    def _touch(self, touched, seq: Sequence) -> tuple[Request, int]:
-        request, index = self._seq_owner[seq.seq_id]
-        touched.setdefault(request.request_id, (request, set()))[1].add(index)
-        return request, index
+    def _touch(self, touched, seq: Sequence) -> None:
+        _touched(touched, *self._seq_owner[seq.seq_id])
 
     def _output(self, request: Request, indices, now: float) -> RequestOutput | WireOutput | None:
         """What is new in these sequences of a request (None: nothing to send yet; a tuple for
@@ -718,6 +716,11 @@ class LLMEngine:
 
 _gc_lock = threading.Lock()
 _gc_holders = 0  # live engines that froze the collector (gc.freeze is process-wide)
+
+
+def _touched(touched: dict, request: Request, index: int) -> None:
+    """Sequence ``index`` of ``request`` has something new for its output this step."""
+    touched.setdefault(request.request_id, (request, set()))[1].add(index)
 
 
 def _freeze_gc(engine: LLMEngine) -> None:
