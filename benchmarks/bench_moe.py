@@ -8,13 +8,14 @@ bytes (a device-to-device copy measured here), the fused layer's time replayed i
 (router, routing and experts, as a decode step runs it; at most ``ONE_PROGRAM_PAIRS`` pairs the
 routing and alignment are one program), the torch path's time (eager), and the routing with the
 pairs' alignment, and the alignment alone, in torch's ops, in one Triton program and in the
-parallel launches (in graphs); with ``--parallel-align`` the layer takes those past
-``ONE_PROGRAM_PAIRS`` pairs.
+parallel launches (in graphs). ``--torch-align``: the layer takes torch's ops past
+``ONE_PROGRAM_PAIRS`` pairs, as before the parallel launches (``moe_triton.PARALLEL_ALIGN``);
+``--one-program-pairs N`` sets ``ONE_PROGRAM_PAIRS``.
 Up to 16 tokens also the two ways apart: the grouped GEMMs (``moe_triton``) and the products row
 by row (``moe_rows``, which ``routed_moe`` takes up to ``ROWS_TOKENS`` tokens).
 
-    python benchmarks/bench_moe.py [--batch 1 32 256] [--fp8 block|row] [--parallel-align]
-        [--json out.json]
+    python benchmarks/bench_moe.py [--batch 1 32 256] [--fp8 block|row] [--torch-align]
+        [--one-program-pairs N] [--json out.json]
         # --fp8: the experts in e4m3 with scales a row and 128-column block (an FP8
         # checkpoint's) or a row (-q fp8's), their bytes counted as e4m3 and float32 scales
     python benchmarks/bench_moe.py --sweep-rows [--batch 1 4]   # moe_rows' tiles, each launch,
@@ -30,6 +31,7 @@ import torch
 from graph_timing import replayed_us
 from triton.testing import do_bench
 
+from nano_models.layers import moe_triton
 from nano_models.layers.moe import ExpertScales, moe_torch, route
 from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
 from nano_models.layers.moe_triton import (
@@ -211,15 +213,16 @@ def main() -> None:
     p.add_argument("--fp8", choices=("block", "row"), help="the experts in e4m3 with scales")
     p.add_argument("--sweep-rows", action="store_true", help="moe_rows' tiles at each batch")
     p.add_argument(
-        "--parallel-align",
+        "--torch-align",
         action="store_true",
-        help="past ONE_PROGRAM_PAIRS the parallel alignment (moe_triton.PARALLEL_ALIGN)",
+        help="past ONE_PROGRAM_PAIRS torch's ops, not the parallel launches (PARALLEL_ALIGN)",
     )
+    p.add_argument("--one-program-pairs", type=int, help="moe_triton.ONE_PROGRAM_PAIRS")
     args = p.parse_args()
-    if args.parallel_align:
-        import nano_models.layers.moe_triton as moe_triton
-
-        moe_triton.PARALLEL_ALIGN = True
+    if args.torch_align:
+        moe_triton.PARALLEL_ALIGN = False
+    if args.one_program_pairs is not None:
+        moe_triton.ONE_PROGRAM_PAIRS = args.one_program_pairs
     shape = (args.experts, args.intermediate, args.hidden, args.top_k, torch.bfloat16)
     if args.sweep_rows:
         sweeps = []

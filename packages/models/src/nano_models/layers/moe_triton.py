@@ -2,11 +2,10 @@
 
 The router's top-k choice and the (token, slot) pairs' alignment (``route_align``): each
 token's softmax over its expert logits and top-k, then the pairs sorted by expert, each
-expert's run padded to a multiple of the tile height. One program does it all for
-decode-sized batches; past that torch's ops, or (``PARALLEL_ALIGN``, not yet timed on a GPU)
-two launches of many programs (``route_align_parallel``): one routes its tokens and counts
-their experts, the other reserves each expert's places with an atomic add a program and
-expert and puts its pairs there.
+expert's run padded to a multiple of the tile height. One program does it all for a few
+tokens; past that two launches of many programs (``route_align_parallel``): one routes its
+tokens and counts their experts, the other reserves each expert's places with an atomic add a
+program and expert and puts its pairs there.
 Then one launch computes every expert's gate and up projections of its tokens and SiLU-and-mul
 in its epilogue (``w13``), one launch the down projections (``w2``) scaled by the routing
 weights, and a sum adds each token's k outputs. Every shape depends on the number of tokens
@@ -38,17 +37,18 @@ from nano_models.layers.triton_tiles import grouped_tile
 
 # Up to this many (token, slot) pairs one Triton program routes and aligns them, in one launch
 # instead of torch's ~20 (each a few microseconds even in a CUDA graph). The program walks the
-# pairs 64 at a time, so past some count many programs win (``route_align_parallel``). Measured
-# on an H200 (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; torch's ops / the
-# program): 8 pairs 57 / 13 us, 256: 102 / 29, 512: 109 / 49, 1,024: 113 / 89, 2,048: 114 / 170.
-ONE_PROGRAM_PAIRS = 1024
+# pairs 64 at a time; past this count the parallel launches (``route_align_parallel``: a memset
+# and two launches, ~15 us whatever the count) are faster. Measured on an H200
+# (benchmarks/bench_moe.py, 128 experts, top-8, in CUDA graphs; the one program / the parallel
+# launches / torch's ops, us): 32 pairs 13.1 / 14.7 / 73.6, 64: 13.1 / 14.8 / 79.2, 96: 18.0 /
+# 15.4 / 80.1, 128: 18.1 / 15.2 / 80.0, 1,024: 88.9 / 15.1 / 112.6, 8,192: 657 / 16.8 / 169.
+ONE_PROGRAM_PAIRS = 64
 # Pairs a program of the parallel alignment places (at most: ``_place_block``).
 PLACE_BLOCK = 64
-# Past ONE_PROGRAM_PAIRS: the parallel launches (True) or torch's ops (False). Off until timed
-# on a GPU: written and checked on the CPU (Triton's interpreter; compiled for sm_90a) in a
-# session whose device time had run out. Torch's ops take ~114 us a layer at 256 tokens of
-# Qwen3-30B-A3B (bench_moe), a quarter of the layer.
-PARALLEL_ALIGN = False
+# Past ONE_PROGRAM_PAIRS: the parallel launches (True) or torch's ops (False; also where
+# Triton is older than 3.5). Qwen3-30B-A3B's layer at 128 / 256 tokens: 314 / 324 us, against
+# 386 / 425 with the one program / torch's ops (bench_moe, H200).
+PARALLEL_ALIGN = True
 # The parallel alignment reads back what a vector atomic add returns in every thread: Triton
 # before 3.5 gave 0 to the threads that did not do the add (triton-lang/triton#7402).
 _ATOMICS_RETURN = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 5)
@@ -68,8 +68,8 @@ def align(
     expert of each tile; ``num_experts`` past the used tiles) and ``used`` [1] int32 (the
     padded length used). P = T k + min(E, T k) (block_m - 1), rounded up to block_m: the most
     any routing needs. On CUDA one Triton launch of one program up to ``ONE_PROGRAM_PAIRS``
-    pairs, past that two of many with ``PARALLEL_ALIGN`` (where an expert's pairs come in no
-    set order); torch's ops elsewhere."""
+    pairs, past that two of many (``PARALLEL_ALIGN``; an expert's pairs then come in no set
+    order); torch's ops elsewhere."""
     if not ids.is_cuda:
         return align_torch(ids, num_experts, block_m)
     if ids.numel() <= ONE_PROGRAM_PAIRS:
