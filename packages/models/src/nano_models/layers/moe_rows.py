@@ -37,8 +37,10 @@ from nano_models.layers.moe_triton import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
 # (benchmarks/bench_moe.py, Qwen3-30B-A3B's layer with its router, in CUDA graphs; rows /
-# grouped): 1 token 44.4 / 54.0 us, 2: 69.3 / 74.4, 3: 90.9 / 95.8, 4: 108.2 / 107.7.
-ROWS_TOKENS = 3
+# grouped, us): bf16 1 token 40.6 / 54.4, 3: 80.5 / 94.4, 4: 95.3 / 107.6, 5: 113.6 / 120.3,
+# 6: 125.2 / 125.0; e4m3 with a scale a row 4: 76.0 / 89.7, 6: 100.8 / 101.1. The engine at
+# 4 sequences (128 in / 512 out): 603.7 output tok/s with 3, 669.6 with 4.
+ROWS_TOKENS = 5
 
 # Tile settings (BLOCK_N, BLOCK_K, num_warps) of the two launches, the fastest of
 # benchmarks/bench_moe.py --sweep-rows on an H200 at Qwen3-30B-A3B's shapes and batch 1 (thin
