@@ -170,6 +170,30 @@ def test_the_parallel_alignment_of_no_pair():
     assert weights.shape == ids.shape == (0, 4) and aligned[2].item() == 0
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="long prefills: too slow for the interpreter")
+@pytest.mark.parametrize("tokens,kind", [(8192, "skewed"), (16384, "random")])
+def test_the_parallel_routing_of_a_long_prefill(tokens, kind):
+    """A prefill chunk of up to max_num_batched_tokens (131,072 pairs of Qwen3-30B-A3B's
+    router): the parallel launches, now taken past ONE_PROGRAM_PAIRS, route and align as
+    torch's ops do (an expert's pairs in any order)."""
+    experts, top_k, block_m = 128, 8, 64
+    g = torch.Generator().manual_seed(tokens)
+    ranks = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)
+    if kind == "skewed":  # (three in four tokens choose among the first 16 experts)
+        ranks[: tokens * 3 // 4, :16] += experts
+    logits = (ranks * 0.05 - 3).to(DEVICE, torch.float32)
+    weights, ids, aligned = route_align(logits, top_k, True, torch.float32, block_m)
+    want_w, want_ids = route(logits, top_k, True, torch.float32)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    want = align_torch(want_ids, experts, block_m)
+    assert torch.equal(aligned[1], want[1]) and torch.equal(aligned[2], want[2])
+    tiles = aligned[1].cpu()
+    runs = torch.bincount(tiles[tiles < experts], minlength=experts) * block_m
+    got = in_order(aligned[0].cpu().tolist(), runs[runs > 0].tolist())
+    assert got == want[0].cpu().tolist()
+
+
 def test_route_align_of_a_strided_logits_view():
     logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     view = logits[:, :16]  # (rows 32 apart)
