@@ -145,7 +145,7 @@ def test_constrained_greedy_matches_transformers_with_the_mask(path, expected, m
         outputs = llm.generate(prompts, params, use_tqdm=False)
         if mode == "preemption":
             assert llm.engine.scheduler.num_preemptions > 0
-        assert llm.engine._constrained == 0
+        assert llm.engine.grammars.live == 0
     for kind, out, want in zip(kinds, outputs, tokens):
         o = out.outputs[0]
         assert o.token_ids == want, kind

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nano_engine.config import EngineConfig
+from nano_engine.grammars import StepGrammars
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import Logprob, RequestOutput, WireOutput, is_last, tokens_of
 from nano_engine.parallel import Workers, abort_group, init_group
@@ -41,11 +42,10 @@ from nano_engine.sampler import FusedRows, SampledTokens, Sampler, prompt_logpro
 from nano_engine.stats import EngineStats, StatsLog, StepStats
 from nano_engine.step_log import NO_ENTRY, NullEntry, Phases, StepLogEntry, StepRecorder
 from nano_engine.streams import EngineDeadError, RequestStream, publish
-from nano_engine.structured import ENDED, REJECTED, GrammarCompiler, GrammarWork, TokenMasks
+from nano_engine.structured import GrammarCompiler, TokenMasks
 from nano_kvcache import BlockManager
 from nano_models import ModelConfig, TensorParallel
 from nano_scheduler import (
-    FinishReason,
     PendingStep,
     SamplingParams,
     Scheduler,
@@ -130,9 +130,11 @@ class LLMEngine:
             GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids)),
             reasoning_tokens(self.tokenizer, config.reasoning_parser),
         )
-        self._token_masks = TokenMasks(self.runner.device, mc.vocab_size, self.eos_token_ids)
-        self._constrained = 0  # live requests with structured outputs
-        self._masks: tuple[SchedulerOutput, GrammarWork] | None = None  # a step's, filling
+        self.grammars = StepGrammars(
+            TokenMasks(self.runner.device, mc.vocab_size, self.eos_token_ids),
+            self._seq_owner,
+            self.scheduler,
+        )
         self._inbox: deque[tuple[str, object]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -308,7 +310,7 @@ class LLMEngine:
                     self._step(schedule=False)  # an aborted request's last output is whole
                 for kind, payload in commands:
                     if kind == "add":
-                        self._constrained += payload.matchers is not None
+                        self.grammars.live += payload.matchers is not None
                         for index, seq in enumerate(payload.seqs):
                             self._seq_owner[seq.seq_id] = (payload, index)
                             self.scheduler.add(seq)
@@ -449,10 +451,11 @@ class LLMEngine:
         if step.prompt is not None:
             self._record_prompt_logprobs(*step.prompt)
         # (first: the matchers move and the next step's bitmask fills while this one records)
-        grammar = self._follow_grammars(step, tokens, next_out) if self._constrained else None
+        grammars = self.grammars
+        grammar = grammars.follow(step.pending, tokens, next_out) if grammars.live else None
         finished = self.scheduler.resolve(step.pending, tokens, next_out)
         if grammar is not None and grammar[0]:
-            self._grammars_followed(*grammar)
+            grammars.followed(*grammar)
         clock.resolved += len(step.pending.slots)
         clock.finished += len(finished)
         # (those finished while scheduling the step come first: their outputs are out already)
@@ -493,7 +496,7 @@ class LLMEngine:
 
     def _sampling_batch(self, out: SchedulerOutput, seqs: list[Sequence]):
         """The sampler's inputs for a step it draws outside a decode graph."""
-        grammar = self._grammar_masks(out)
+        grammar = self.grammars.masks(out)
         if grammar is not None:  # (rows that need no more than the bitmask: one fused pass)
             rows = self.sampler.fused_rows(seqs, grammar=True)
             if rows is not None:
@@ -508,7 +511,7 @@ class LLMEngine:
         the device would idle from this step's forward to the next launch). Returns the rows'
         inputs (taken now: seeds follow the sequences' lengths, which ``advance`` changes), or
         None: draw now."""
-        if not self.async_scheduling or self._masks is None or self._masks[0] is not out:
+        if not self.async_scheduling or not self.grammars.filling(out):
             return None
         return self.sampler.fused_rows(seqs, grammar=True)
 
@@ -516,7 +519,7 @@ class LLMEngine:
         """Draw a deferred step's tokens (``_deferrable``) once its bitmask is filled."""
         logits, rows = step.deferred
         step.deferred = None
-        batch = self.sampler.prepare_fused(rows, self._grammar_masks(step.pending.output))
+        batch = self.sampler.prepare_fused(rows, self.grammars.masks(step.pending.output))
         step.log.mark(2)
         step.sampled = self.sampler.sample(logits, batch)
         step.log.mark(3)
@@ -531,75 +534,6 @@ class LLMEngine:
                 if owner is not None:
                     banned.append((row, owner[0].banned(seq)))
         return banned
-
-    def _follow_grammars(
-        self, step: _InFlight, tokens: list[int], next_out: SchedulerOutput | None
-    ) -> tuple[list, GrammarWork] | None:
-        """Start, in the background, the matchers of a resolved step's constrained sequences
-        taking their tokens, then the fill of the next step's bitmask (while the loop records
-        this step). Returns what ``_grammars_followed`` needs, or None."""
-        if self._masks is not None:
-            self._masks[1].masks()  # (one never used: no matcher moves while it fills)
-        self._masks = None
-        moving = []  # (request, sequence, matcher, token)
-        for row, seq, _ in step.pending.slots:
-            owner = self._seq_owner.get(seq.seq_id)
-            # (finished: by a stop string, its grammar's end or its length; no token to take)
-            if owner is not None and owner[0].matchers is not None and not seq.is_finished:
-                matcher = owner[0].grammar_to_follow(owner[1], tokens[row])
-                if matcher is not None:
-                    moving.append((owner[0], seq, matcher, tokens[row]))
-        matchers, rows = self._mask_rows(next_out.sampling_seqs) if next_out else ([], [])
-        if not moving and not rows:
-            return None
-        work = self._token_masks.start(
-            [m[2] for m in moving], [m[3] for m in moving], matchers, rows
-        )
-        if rows:
-            self._masks = (next_out, work)
-        return moving, work
-
-    def _grammars_followed(self, moving: list, work: GrammarWork) -> None:
-        """Once the matchers took the tokens: a grammar's end (a stop token it took) finishes
-        its sequence, ignore_eos or not (as a stop string does, after the scheduler's
-        resolve); a token it refused (the mask let it through: a bug) aborts it."""
-        for (request, seq, _, token), status in zip(moving, work.statuses_of_tokens()):
-            if status == REJECTED:
-                name = request.request_id
-                log.error("request %s: token %d sampled against its grammar", name, token)
-                if not seq.is_finished:  # (a stop token it refused has finished it already)
-                    self.scheduler.finish(seq.seq_id, FinishReason.ABORT)
-            elif status == ENDED and not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, FinishReason.STOP)
-
-    def _mask_rows(self, seqs: list[Sequence]) -> tuple[list, list[int]]:
-        """The matchers of a step's rows that its grammar constrains, and those rows."""
-        rows, matchers = [], []
-        for row, seq in enumerate(seqs):
-            owner = self._seq_owner.get(seq.seq_id)  # (gone: finished since, its row unused)
-            if owner is not None and owner[0].matchers is not None and not seq.is_finished:
-                request, index = owner
-                after = request.grammar_after
-                if after is None or after[index] is None:  # (not still reasoning)
-                    rows.append(row)
-                    matchers.append(request.matchers[index])
-        return matchers, rows
-
-    def _grammar_masks(self, out: SchedulerOutput) -> tuple | None:
-        """The bitmask of a step's rows with structured outputs (started while the step before
-        was resolved, or now), or None."""
-        if not self._constrained:
-            return None
-        masks, self._masks = self._masks, None
-        work = masks[1] if masks is not None and masks[0] is out else None
-        if work is None:
-            if masks is not None:
-                masks[1].masks()  # (one never used: no matcher moves while it fills)
-            matchers, rows = self._mask_rows(out.sampling_seqs)
-            if not rows:
-                return None
-            work = self._token_masks.start([], [], matchers, rows)
-        return self._token_masks.to_device(work.masks())
 
     def _touch(self, touched, seq: Sequence) -> None:
         _touched(touched, *self._seq_owner[seq.seq_id])
@@ -626,7 +560,7 @@ class LLMEngine:
         with self._cond:
             for request, out in outputs:
                 if is_last(out) and self._requests.pop(request.request_id, None) is not None:
-                    self._constrained -= request.matchers is not None
+                    self.grammars.live -= request.matchers is not None
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -663,7 +597,7 @@ class LLMEngine:
         _unfreeze_gc(self)
         self.stop_recording()
         if not self._thread.is_alive():
-            self._token_masks.close()
+            self.grammars.close()
         self._release(self._thread)
 
     def _release(self, loop: threading.Thread | None = None) -> None:
