@@ -269,15 +269,20 @@ if not INTERPRET:
     FP8_DECODE_DOTS.append(pytest.param(torch.bfloat16, False, id="bf16-bf16-dots"))
 
 
+@pytest.mark.parametrize("v_words", [False, True], ids=["v-bytes", "v-words"])
 @pytest.mark.parametrize("dtype,fp16_dots", FP8_DECODE_DOTS)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.05)])
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES[:3])
 def test_paged_decode_over_an_fp8_cache(
-    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots
+    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots, v_words, monkeypatch
 ):
     """Each value read as it is stored, times its scale: the float64 attention over the
-    dequantized cache (the kernel computes in fp16 or q's dtype)."""
+    dequantized cache (the kernel computes in fp16 or q's dtype), V read as bytes or as
+    words of four (``FP8_V_WORDS``)."""
+    from nano_kvcache import attention
     from nano_kvcache.attention import paged_decode
+
+    monkeypatch.setattr(attention, "FP8_V_WORDS", v_words)
 
     rng = random.Random(block_size)
     g = torch.Generator(device=DEVICE).manual_seed(7)

@@ -46,6 +46,13 @@ _FP8_MAX_REGISTERS = {128: 128}
 EARLY_TILES = 1
 # The decode grid's programs, at least (up to decode_splits' max_splits; see decode_splits).
 DECODE_PROGRAMS = 1024
+# Over an FP8 cache computed in fp16: V read as 32-bit words of four values and widened to
+# fp16 in registers, so that P V takes a 16-bit operand, which Hopper transposes from shared
+# memory with ldmatrix. Read as bytes, sm_90 has no 8-bit transposing ldmatrix: Triton loads
+# the operand from shared memory a byte at a time (compiled for sm_90a at Qwen3-0.6B's heads:
+# 1,176 instructions, 64 of them 8-bit shared loads; with the words 936, none). Off until
+# timed on a GPU (written in a session without device time; see benchmarks/RESULTS.md).
+FP8_V_WORDS = False
 
 
 @triton.jit
@@ -62,9 +69,13 @@ def _load_kv_tile(
     stride_kt,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr = True,
+    V_WORDS: tl.constexpr = False,
 ):
     """K and V rows of these token positions: [tokens, head_dim] each, through the table.
-    Unmasked (every token valid, head_dim a power of two) the loads pipeline better."""
+    Unmasked (every token valid, head_dim a power of two) the loads pipeline better.
+    ``V_WORDS`` (an FP8 cache, head_dim a multiple of 4): V read as 32-bit words and widened
+    to fp16 in registers (``_e4m3_words_f16``), so that the product P V takes its operand as
+    16-bit values."""
     if MASKED:
         pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
     else:
@@ -73,11 +84,56 @@ def _load_kv_tile(
     if MASKED:
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_cache + rows[:, None] + d[None, :])
+    if V_WORDS:
+        w = tl.arange(0, d.shape[0] // 4)
+        words = v_cache.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + w[None, :]
+        v = tl.load(words, mask=t_mask[:, None], other=0) if MASKED else tl.load(words)
+        v = _e4m3_words_f16(v, V_WORDS == 2)
+    elif MASKED:
+        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    else:
         v = tl.load(v_cache + rows[:, None] + d[None, :])
     return k, v
+
+
+@triton.jit
+def _e4m3_words_f16(words, ASM: tl.constexpr):
+    """int32 words [N, W] of four e4m3 values each (the first in the lowest byte) as fp16
+    [N, 4 W]; with ASM (NVIDIA) by two ``cvt.rn.f16x2.e4m3x2`` a word."""
+    if not ASM:
+        v0 = _e4m3_f16(words, 0)
+        v1 = _e4m3_f16(words, 8)
+        v2 = _e4m3_f16(words, 16)
+        v3 = _e4m3_f16(words, 24)
+    else:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 pair0, pair1;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 pair0, lo;
+            cvt.rn.f16x2.e4m3x2 pair1, hi;
+            mov.b32 {$0, $1}, pair0;
+            mov.b32 {$2, $3}, pair1;
+            }""",
+            constraints="=h,=h,=h,=h,r",
+            args=[words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    # (value i + 2 j of a word at [..., j, i]: in order when the last three dims merge)
+    quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return tl.reshape(quads, [words.shape[0], words.shape[1] * 4])
+
+
+@triton.jit
+def _e4m3_f16(words, shift: tl.constexpr):
+    """The e4m3 value at bits shift .. shift + 7 of int32 words, in fp16 (exact)."""
+    byte = ((words >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -281,6 +337,7 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
+    V_WORDS: tl.constexpr,
     EARLY: tl.constexpr,
     LINES: tl.constexpr,
     PDL: tl.constexpr,
@@ -359,6 +416,8 @@ def _decode_kernel(
             stride_kb,
             stride_kt,
             BLOCK_SIZE,
+            True,
+            V_WORDS,
         )
         m_i, l_i, acc = _attend(
             q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
@@ -533,7 +592,7 @@ class DecodeLaunches:
         key = _specialization(q, k_cache, v_cache, out)
         if key != self._key:
             self._key = None
-            if not self._setup(q, k_cache, out):
+            if not self._setup(q, k_cache, v_cache, out):
                 return out  # (no sequence)
             self._key = key
         part_ml, part_acc = self._parts or (out, out)  # (one split: unused)
@@ -556,7 +615,7 @@ class DecodeLaunches:
             self._merge(part_ml, part_acc, out, out.stride(0), out.stride(1), q.shape[1])
         return out
 
-    def _setup(self, q, k_cache, out) -> bool:
+    def _setup(self, q, k_cache, v_cache, out) -> bool:
         """Check a layer's tensors and work out its launch; False where there is no
         sequence."""
         batch, heads, head_dim = q.shape
@@ -576,6 +635,13 @@ class DecodeLaunches:
         dependent = pdl(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
+        v_words = 0
+        if FP8_V_WORDS and fp8 and q.dtype != torch.float32 and head_dim == block_d:
+            # (words: every row's start a multiple of 4 bytes)
+            strides = v_cache.stride()
+            aligned = v_cache.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides[:-1])
+            if aligned:
+                v_words = 2 if q.is_cuda and torch.version.hip is None else 1  # (2: PTX)
         cap = _FP8_MAX_REGISTERS.get(block_d)
         if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
@@ -612,6 +678,7 @@ class DecodeLaunches:
             ORDERED=order is not None,
             PRECISION=_precision(q),
             F16_DOTS=self.fp16_dots and fp8 and q.dtype == torch.bfloat16,
+            V_WORDS=v_words,
             EARLY=EARLY_TILES if dependent else 0,
             LINES=_row_lines(head_dim * k_cache.element_size()),
             PDL=dependent,
