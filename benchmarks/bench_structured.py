@@ -146,7 +146,7 @@ def main() -> None:
     if args.grammar_threads:
         import xgrammar
 
-        llm.engine._token_masks._batch = xgrammar.BatchGrammarMatcher(args.grammar_threads)
+        llm.engine.grammars._token_masks._batch = xgrammar.BatchGrammarMatcher(args.grammar_threads)
     rng = random.Random(0)
     prompts = [
         [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
@@ -217,8 +217,8 @@ def phases(llm, prompts, params) -> str:
     sampler's and the scheduler's calls."""
     engine = llm.engine
     calls = {
-        "accept": (engine, ("_follow_grammars", "_grammars_followed")),
-        "masks": (engine, ("_grammar_masks",)),
+        "accept": (engine.grammars, ("follow", "followed")),
+        "masks": (engine.grammars, ("masks",)),
         "fused_rows": (engine.sampler, ("fused_rows",)),
         "prepare": (engine.sampler, ("prepare", "prepare_fused")),
         "sampler": (engine.sampler, ("sample",)),

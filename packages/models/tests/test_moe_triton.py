@@ -346,15 +346,16 @@ def test_choose_falls_back_to_the_rule_for_unmeasured_shapes():
     assert (up, down) == tuple(as_kwargs(t) for t in rule(7, 2))
 
 
-@pytest.fixture(params=["default", "parallel"])
+@pytest.fixture(params=["default", "parallel", "torch"])
 def alignment(request, monkeypatch):
-    """The alignment as chosen, or the parallel launches at every size that aligns (past
-    ``moe_rows.ROWS_TOKENS`` in ``routed_moe``; an expert's pairs placed in no set order: the
-    outputs must not depend on it, bit for bit)."""
-    if request.param == "parallel":
+    """The alignment as chosen, or at every size that aligns (past ``moe_rows.ROWS_TOKENS`` in
+    ``routed_moe``) the parallel launches (an expert's pairs placed in no set order: the
+    outputs must not depend on it, bit for bit) or torch's ops (where Triton is older than
+    3.5)."""
+    if request.param != "default":
         import nano_models.layers.moe_triton as moe_triton
 
-        monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
+        monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", request.param == "parallel")
         monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 0)
     return request.param
 

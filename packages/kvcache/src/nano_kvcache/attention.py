@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 import triton
@@ -53,6 +54,7 @@ DECODE_PROGRAMS = 1024
 # 1,176 instructions, 64 of them 8-bit shared loads; with the words 936, none). Off until
 # timed on a GPU (written in a session without device time; see benchmarks/RESULTS.md).
 FP8_V_WORDS = False
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -73,9 +75,9 @@ def _load_kv_tile(
 ):
     """K and V rows of these token positions: [tokens, head_dim] each, through the table.
     Unmasked (every token valid, head_dim a power of two) the loads pipeline better.
-    ``V_WORDS`` (an FP8 cache, head_dim a multiple of 4): V read as 32-bit words and widened
-    to fp16 in registers (``_e4m3_words_f16``), so that the product P V takes its operand as
-    16-bit values."""
+    ``V_WORDS`` (an FP8 cache, head_dim = BLOCK_D: no column masked; rows 4-byte aligned): V
+    read as 32-bit words and widened to fp16 in registers (``_e4m3_words_f16``; 2: by PTX),
+    so that the product P V takes its operand as 16-bit values."""
     if MASKED:
         pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
     else:
@@ -636,12 +638,14 @@ class DecodeLaunches:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
         v_words = 0
-        if FP8_V_WORDS and fp8 and q.dtype != torch.float32 and head_dim == block_d:
-            # (words: every row's start a multiple of 4 bytes)
+        f16_dots = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and self.fp16_dots)
+        if FP8_V_WORDS and fp8 and f16_dots and head_dim == block_d:
+            # (words: every row's start a multiple of 4 bytes; V is read with K's strides)
             strides = v_cache.stride()
             aligned = v_cache.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides[:-1])
-            if aligned:
-                v_words = 2 if q.is_cuda and torch.version.hip is None else 1  # (2: PTX)
+            if aligned and strides == k_cache.stride() and strides[-1] == 1:
+                ptx = q.is_cuda and torch.version.hip is None and not _INTERPRETED
+                v_words = 2 if ptx else 1
         cap = _FP8_MAX_REGISTERS.get(block_d)
         if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a

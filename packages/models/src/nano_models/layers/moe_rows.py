@@ -39,7 +39,8 @@ from nano_models.layers.moe_triton import route_triton
 # (benchmarks/bench_moe.py, Qwen3-30B-A3B's layer with its router, in CUDA graphs; rows /
 # grouped, us): bf16 1 token 40.6 / 54.4, 3: 80.5 / 94.4, 4: 95.3 / 107.6, 5: 113.6 / 120.3,
 # 6: 125.2 / 125.0; e4m3 with a scale a row 4: 76.0 / 89.7, 6: 100.8 / 101.1. The engine at
-# 4 sequences (128 in / 512 out): 603.7 output tok/s with 3, 669.6 with 4.
+# 4 sequences (128 in / 512 out): 603.7 output tok/s with 3, 669.6 with 4. (Decode graphs come
+# in 1, 2, 4, 8, ... rows: 5 to 7 sequences replay the graph of 8; 5 tokens are eager steps.)
 ROWS_TOKENS = 5
 
 # Tile settings (BLOCK_N, BLOCK_K, num_warps) of the two launches, the fastest of

@@ -84,7 +84,7 @@ def route_align(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``route`` then ``align``: (weights [T, k] in ``dtype``, expert ids [T, k], the aligned
     pairs). On CUDA one Triton launch of one program up to ``ONE_PROGRAM_PAIRS`` pairs, past
-    that two of many with ``PARALLEL_ALIGN``; torch's ops elsewhere."""
+    that two of many (``PARALLEL_ALIGN``); torch's ops elsewhere."""
     if router_logits.is_cuda and router_logits.shape[0] * top_k <= ONE_PROGRAM_PAIRS:
         return route_align_triton(router_logits, top_k, renormalize, dtype, block_m)
     if router_logits.is_cuda and PARALLEL_ALIGN and _ATOMICS_RETURN:
@@ -96,8 +96,8 @@ def route_align(
 def route_align_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``route_align`` in one Triton launch (one program: for decode-sized batches); the ids
-    in int32, among equal probabilities the lower expert id first."""
+    """``route_align`` in one Triton launch (one program: for a few tokens); the ids in int32,
+    among equal probabilities the lower expert id first."""
     tokens, experts = router_logits.shape
     device = router_logits.device
     weights = torch.empty(tokens, top_k, dtype=dtype, device=device)
