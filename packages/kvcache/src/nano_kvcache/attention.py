@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_kvcache.e4m3 import e4m3_words
 from nano_kvcache.launch import launch_options, pdl
 from nano_kvcache.relaunch import Relaunch
 
@@ -76,7 +77,7 @@ def _load_kv_tile(
     """K and V rows of these token positions: [tokens, head_dim] each, through the table.
     Unmasked (every token valid, head_dim a power of two) the loads pipeline better.
     ``V_WORDS`` (an FP8 cache, head_dim = BLOCK_D: no column masked; rows 4-byte aligned): V
-    read as 32-bit words and widened to fp16 in registers (``_e4m3_words_f16``; 2: by PTX),
+    read as 32-bit words and widened to fp16 in registers (``e4m3_words``; 2: by PTX),
     so that the product P V takes its operand as 16-bit values."""
     if MASKED:
         pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
@@ -92,50 +93,12 @@ def _load_kv_tile(
         w = tl.arange(0, d.shape[0] // 4)
         words = v_cache.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + w[None, :]
         v = tl.load(words, mask=t_mask[:, None], other=0) if MASKED else tl.load(words)
-        v = _e4m3_words_f16(v, V_WORDS == 2)
+        v = e4m3_words(v, V_WORDS == 2)
     elif MASKED:
         v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_cache + rows[:, None] + d[None, :])
     return k, v
-
-
-@triton.jit
-def _e4m3_words_f16(words, ASM: tl.constexpr):
-    """int32 words [N, W] of four e4m3 values each (the first in the lowest byte) as fp16
-    [N, 4 W]; with ASM (NVIDIA) by two ``cvt.rn.f16x2.e4m3x2`` a word."""
-    if not ASM:
-        v0 = _e4m3_f16(words, 0)
-        v1 = _e4m3_f16(words, 8)
-        v2 = _e4m3_f16(words, 16)
-        v3 = _e4m3_f16(words, 24)
-    else:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .b32 pair0, pair1;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 pair0, lo;
-            cvt.rn.f16x2.e4m3x2 pair1, hi;
-            mov.b32 {$0, $1}, pair0;
-            mov.b32 {$2, $3}, pair1;
-            }""",
-            constraints="=h,=h,=h,=h,r",
-            args=[words],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
-    # (value i + 2 j of a word at [..., j, i]: in order when the last three dims merge)
-    quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    return tl.reshape(quads, [words.shape[0], words.shape[1] * 4])
-
-
-@triton.jit
-def _e4m3_f16(words, shift: tl.constexpr):
-    """The e4m3 value at bits shift .. shift + 7 of int32 words, in fp16 (exact)."""
-    byte = ((words >> shift) & 0xFF).to(tl.uint8)
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit

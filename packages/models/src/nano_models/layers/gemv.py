@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_kvcache.e4m3 import e4m3_quads, in_order
 from nano_kvcache.launch import launch_options, pdl
 
 # The products ``LinearBase`` gives this kernel on a CUDA device: one row always, two rows when
@@ -908,50 +909,14 @@ def _store(
 @triton.jit
 def widened(tile, PACK: tl.constexpr, E4M3_ASM: tl.constexpr):
     """A tile's values in float32. PACK 4: int32 words of four e4m3 values (the first in the
-    lowest byte), [..., W] -> [..., 4 W]; with E4M3_ASM (CUDA) by two ``cvt.rn.f16x2.e4m3x2``
-    of a word's halves and four ``cvt.f32.f16`` (Triton's conversion of an e4m3 tile takes
-    each word apart byte by byte and packs pairs again: 7.6 instructions a value in the
-    product's loop on sm_90 against 4.5)."""
+    lowest byte), [..., W] -> [..., 4 W], widened as ``nano_kvcache.e4m3.e4m3_words`` does (by
+    PTX with E4M3_ASM), each quarter to float32 before they are put in order."""
     if PACK == 4:
-        if E4M3_ASM:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b16 lo, hi;
-                .reg .b32 pair0, pair1;
-                .reg .f16 h0, h1, h2, h3;
-                mov.b32 {lo, hi}, $4;
-                cvt.rn.f16x2.e4m3x2 pair0, lo;
-                cvt.rn.f16x2.e4m3x2 pair1, hi;
-                mov.b32 {h0, h1}, pair0;
-                mov.b32 {h2, h3}, pair1;
-                cvt.f32.f16 $0, h0;
-                cvt.f32.f16 $1, h1;
-                cvt.f32.f16 $2, h2;
-                cvt.f32.f16 $3, h3;
-                }""",
-                constraints="=r,=r,=r,=r,r",
-                args=[tile],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            v0 = _e4m3_byte(tile, 0)
-            v1 = _e4m3_byte(tile, 8)
-            v2 = _e4m3_byte(tile, 16)
-            v3 = _e4m3_byte(tile, 24)
-        # (value i + 2 j of a word at [..., j, i]: in order when the last three dims merge)
-        quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-        return tl.reshape(quads, [tile.shape[0], tile.shape[1] * 4])
+        v0, v1, v2, v3 = e4m3_quads(tile, E4M3_ASM)
+        f32 = tl.float32
+        return in_order(v0.to(f32), v1.to(f32), v2.to(f32), v3.to(f32))
     else:
         return tile.to(tl.float32)
-
-
-@triton.jit
-def _e4m3_byte(words, shift: tl.constexpr):
-    """The e4m3 value at bits shift .. shift + 7 of int32 words, in float32."""
-    byte = ((words >> shift) & 0xFF).to(tl.uint8)
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
