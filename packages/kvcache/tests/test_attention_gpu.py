@@ -269,20 +269,15 @@ if not INTERPRET:
     FP8_DECODE_DOTS.append(pytest.param(torch.bfloat16, False, id="bf16-bf16-dots"))
 
 
-@pytest.mark.parametrize("v_words", [False, True], ids=["v-bytes", "v-words"])
 @pytest.mark.parametrize("dtype,fp16_dots", FP8_DECODE_DOTS)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.05)])
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES[:3])
 def test_paged_decode_over_an_fp8_cache(
-    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots, v_words, monkeypatch
+    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots
 ):
     """Each value read as it is stored, times its scale: the float64 attention over the
-    dequantized cache (the kernel computes in fp16 or q's dtype), V read as bytes or as
-    words of four (``FP8_V_WORDS``)."""
-    from nano_kvcache import attention
-    from nano_kvcache.attention import DecodeLaunches
-
-    monkeypatch.setattr(attention, "FP8_V_WORDS", v_words)
+    dequantized cache (the kernel computes in fp16 or q's dtype)."""
+    from nano_kvcache.attention import paged_decode
 
     rng = random.Random(block_size)
     g = torch.Generator(device=DEVICE).manual_seed(7)
@@ -293,14 +288,22 @@ def test_paged_decode_over_an_fp8_cache(
     ref = paged_attention_reference(q, k_real, v_real, tables, [1] * len(lens), lens, 0.1)
     wrong = paged_attention_reference(q, k_real * 2, v_real, tables, [1] * len(lens), lens, 0.1)
     assert (wrong - ref).norm() / ref.norm() > 5 * TOL[dtype]  # (the check sees k_scale)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
-        launches = DecodeLaunches(padded(tables), lens_t, num_splits=splits, fp16_dots=fp16_dots)
-        launches(q, k8, v8, 0.1, out, scales[0], scales[1])
+        paged_decode(
+            q,
+            k8,
+            v8,
+            padded(tables),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+            0.1,
+            out=out,
+            num_splits=splits,
+            k_scale=scales[0],
+            v_scale=scales[1],
+            fp16_dots=fp16_dots,
+        )
         check(out, ref, dtype)
-        # (words under fp16 dots: every case here has head_dim a power of two)
-        assert bool(launches._decode.kwargs["V_WORDS"]) == (v_words and fp16_dots)
 
 
 # (Triton 3.6's interpreter rounds to e4m3 wrongly just below a power of two, 127.97 -> 64:

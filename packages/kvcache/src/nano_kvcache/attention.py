@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from nano_kvcache.e4m3 import e4m3_words
 from nano_kvcache.launch import launch_options, pdl
 from nano_kvcache.relaunch import Relaunch
 
@@ -48,14 +46,6 @@ _FP8_MAX_REGISTERS = {128: 128}
 EARLY_TILES = 1
 # The decode grid's programs, at least (up to decode_splits' max_splits; see decode_splits).
 DECODE_PROGRAMS = 1024
-# Over an FP8 cache computed in fp16: V read as 32-bit words of four values and widened to
-# fp16 in registers, so that P V takes a 16-bit operand, which Hopper transposes from shared
-# memory with ldmatrix. Read as bytes, sm_90 has no 8-bit transposing ldmatrix: Triton loads
-# the operand from shared memory a byte at a time (compiled for sm_90a at Qwen3-0.6B's heads:
-# 1,176 instructions, 64 of them 8-bit shared loads; with the words 936, none). Off until
-# timed on a GPU (written in a session without device time; see benchmarks/RESULTS.md).
-FP8_V_WORDS = False
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -72,13 +62,9 @@ def _load_kv_tile(
     stride_kt,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr = True,
-    V_WORDS: tl.constexpr = False,
 ):
     """K and V rows of these token positions: [tokens, head_dim] each, through the table.
-    Unmasked (every token valid, head_dim a power of two) the loads pipeline better.
-    ``V_WORDS`` (an FP8 cache, head_dim = BLOCK_D: no column masked; rows 4-byte aligned): V
-    read as 32-bit words and widened to fp16 in registers (``e4m3_words``; 2: by PTX),
-    so that the product P V takes its operand as 16-bit values."""
+    Unmasked (every token valid, head_dim a power of two) the loads pipeline better."""
     if MASKED:
         pages = tl.load(table + tokens // BLOCK_SIZE, mask=t_mask, other=0)
     else:
@@ -87,16 +73,9 @@ def _load_kv_tile(
     if MASKED:
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_cache + rows[:, None] + d[None, :])
-    if V_WORDS:
-        w = tl.arange(0, d.shape[0] // 4)
-        words = v_cache.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + w[None, :]
-        v = tl.load(words, mask=t_mask[:, None], other=0) if MASKED else tl.load(words)
-        v = e4m3_words(v, V_WORDS == 2)
-    elif MASKED:
         v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     else:
+        k = tl.load(k_cache + rows[:, None] + d[None, :])
         v = tl.load(v_cache + rows[:, None] + d[None, :])
     return k, v
 
@@ -302,7 +281,6 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,
-    V_WORDS: tl.constexpr,
     EARLY: tl.constexpr,
     LINES: tl.constexpr,
     PDL: tl.constexpr,
@@ -381,8 +359,6 @@ def _decode_kernel(
             stride_kb,
             stride_kt,
             BLOCK_SIZE,
-            True,
-            V_WORDS,
         )
         m_i, l_i, acc = _attend(
             q, k, v, m_i, l_i, acc, scale_log2, t_mask[None, :], True, PRECISION
@@ -557,7 +533,7 @@ class DecodeLaunches:
         key = _specialization(q, k_cache, v_cache, out)
         if key != self._key:
             self._key = None
-            if not self._setup(q, k_cache, v_cache, out):
+            if not self._setup(q, k_cache, out):
                 return out  # (no sequence)
             self._key = key
         part_ml, part_acc = self._parts or (out, out)  # (one split: unused)
@@ -580,7 +556,7 @@ class DecodeLaunches:
             self._merge(part_ml, part_acc, out, out.stride(0), out.stride(1), q.shape[1])
         return out
 
-    def _setup(self, q, k_cache, v_cache, out) -> bool:
+    def _setup(self, q, k_cache, out) -> bool:
         """Check a layer's tensors and work out its launch; False where there is no
         sequence."""
         batch, heads, head_dim = q.shape
@@ -600,15 +576,6 @@ class DecodeLaunches:
         dependent = pdl(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
-        v_words = 0
-        f16_dots = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and self.fp16_dots)
-        if FP8_V_WORDS and fp8 and f16_dots and head_dim == block_d:
-            # (words: every row's start a multiple of 4 bytes; V is read with K's strides)
-            strides = v_cache.stride()
-            aligned = v_cache.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides[:-1])
-            if aligned and strides == k_cache.stride() and strides[-1] == 1:
-                ptx = q.is_cuda and torch.version.hip is None and not _INTERPRETED
-                v_words = 2 if ptx else 1
         cap = _FP8_MAX_REGISTERS.get(block_d)
         if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
@@ -645,7 +612,6 @@ class DecodeLaunches:
             ORDERED=order is not None,
             PRECISION=_precision(q),
             F16_DOTS=self.fp16_dots and fp8 and q.dtype == torch.bfloat16,
-            V_WORDS=v_words,
             EARLY=EARLY_TILES if dependent else 0,
             LINES=_row_lines(head_dim * k_cache.element_size()),
             PDL=dependent,

@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_kvcache.e4m3 import e4m3_quads, in_order
 from nano_kvcache.launch import launch_options, pdl
+from nano_models.layers.e4m3 import e4m3_quads, in_order
 
 # The products ``LinearBase`` gives this kernel on a CUDA device: one row always, two rows when
 # the weight is e4m3 or holds at most TWO_ROWS_BYTES bytes. Measured on an H200
@@ -909,8 +909,8 @@ def _store(
 @triton.jit
 def widened(tile, PACK: tl.constexpr, E4M3_ASM: tl.constexpr):
     """A tile's values in float32. PACK 4: int32 words of four e4m3 values (the first in the
-    lowest byte), [..., W] -> [..., 4 W], widened as ``nano_kvcache.e4m3.e4m3_words`` does (by
-    PTX with E4M3_ASM), each quarter to float32 before they are put in order."""
+    lowest byte), [..., W] -> [..., 4 W], widened by ``e4m3_quads`` (by PTX with E4M3_ASM), each
+    quarter to float32 before they are put in order."""
     if PACK == 4:
         v0, v1, v2, v3 = e4m3_quads(tile, E4M3_ASM)
         f32 = tl.float32

@@ -1,5 +1,5 @@
-"""e4m3 (FP8) values read as 32-bit words of four and widened in registers, in Triton: the FP8
-cache's V tiles (``attention``) and FP8 weights (nano_models' few-row products and MoE rows).
+"""e4m3 (FP8) values read as 32-bit words of four and widened in registers, in Triton: FP8
+weights in the few-row products (``gemv``) and the MoE rows kernels (``moe_rows``).
 
 Triton's own conversion of an e4m3 tile takes each word apart byte by byte and packs pairs
 again (7.6 instructions a value in a product's loop on sm_90); PTX converts two values in one
@@ -12,17 +12,11 @@ import triton.language as tl
 
 
 @triton.jit
-def e4m3_words(words, ASM: tl.constexpr):
-    """int32 words [N, W] of four e4m3 values each (the first in the lowest byte) as fp16
-    [N, 4 W] (exact); with ASM (NVIDIA's PTX; not ROCm, not Triton's interpreter) by two
-    ``cvt.rn.f16x2.e4m3x2`` a word."""
-    return in_order(*e4m3_quads(words, ASM))
-
-
-@triton.jit
 def e4m3_quads(words, ASM: tl.constexpr):
-    """``e4m3_words``' values as four fp16 tiles [N, W]: the words' bytes 0, 1, 2 and 3 (to be
-    widened further, each, before ``in_order``)."""
+    """int32 words [N, W] of four e4m3 values each (the first in the lowest byte) as four fp16
+    tiles [N, W]: the words' bytes 0, 1, 2 and 3, exact (to be widened further, each, before
+    ``in_order``). With ASM (NVIDIA's PTX; not ROCm, not Triton's interpreter) by two
+    ``cvt.rn.f16x2.e4m3x2`` a word."""
     if ASM:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
             asm="""{
