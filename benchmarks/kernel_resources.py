@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nano_kvcache.attention import _prefill_kernel
+from nano_kvcache.attention.prefill import _prefill_kernel
 
 TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 8, 3))
 
@@ -36,6 +36,7 @@ def resources(tile: tuple[int, int, int, int], cache: str, tma: bool, block_size
         "TMA": tma,
         "CACHE": cache,
         "PRECISION": "ieee",
+        "FP8": False,
     }
     rows = {"q_src": block_m, "k_new": block_n, "v_new": block_n}
     if cache == "tma":

@@ -22,7 +22,9 @@ tl = pytest.importorskip("triton.language")
 pytest.importorskip("torch")
 
 MODULES = [
-    "nano_kvcache.attention",
+    "nano_kvcache.attention.decode",
+    "nano_kvcache.attention.prefill",
+    "nano_kvcache.attention.tiles",
     "nano_models.layers.fp8_matmul",
     "nano_models.layers.fp8_quant",
     "nano_models.layers.gemv",

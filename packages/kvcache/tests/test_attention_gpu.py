@@ -139,7 +139,7 @@ def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens):
 def test_the_decode_prefetch_changes_nothing(monkeypatch, dtype, cache_dtype, head_dim):
     """The decode kernel asks L2 for its first tiles before its wait: the output is the
     same, bit for bit, with none, one or two tiles prefetched (block size 16, ragged)."""
-    from nano_kvcache import attention
+    from nano_kvcache.attention import decode
 
     lens = [1, 17, 300, 1024, 33, 64]
     rng = random.Random(head_dim)
@@ -154,9 +154,9 @@ def test_the_decode_prefetch_changes_nothing(monkeypatch, dtype, cache_dtype, he
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     outs = []
     for tiles in (0, 1, 2):
-        monkeypatch.setattr(attention, "EARLY_TILES", tiles)
+        monkeypatch.setattr(decode, "EARLY_TILES", tiles)
         outs.append(
-            attention.paged_decode(
+            decode.paged_decode(
                 q,
                 k_cache,
                 v_cache,
@@ -572,7 +572,6 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, cache, monkeypatch):
     after layer with other caches (FP8 ones with other scales) and other q, k, v, where a
     layer's q has other strides (the launch worked out again), through the caches' TMA path
     (blocks of 64), with one decode split and no order. Inside a CUDA graph too."""
-    from nano_kvcache import attention as A
     from nano_kvcache import relaunch
     from nano_kvcache.attention import (
         DecodeLaunches,
@@ -580,6 +579,8 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, cache, monkeypatch):
         paged_decode,
         paged_prefill,
     )
+    from nano_kvcache.attention import decode as decode_module
+    from nano_kvcache.attention import prefill as prefill_module
 
     monkeypatch.setattr(relaunch, "DIRECT", direct)
     fp8 = cache == "fp8"
@@ -654,7 +655,8 @@ def test_a_step_s_launches_serve_every_layer(dtype, direct, cache, monkeypatch):
     expected = each_alone()
     outs = [torch.full_like(x, float("nan")) for x in expected]
     dispatched = []
-    for kernel in (A._prefill_kernel, A._decode_kernel, A._merge_kernel):
+    kernels = (decode_module._decode_kernel, decode_module._merge_kernel)
+    for kernel in (prefill_module._prefill_kernel, *kernels):
         run = kernel.run
 
         def counted(*args, run=run, name=kernel.__name__, **kwargs):
