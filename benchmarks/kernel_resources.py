@@ -52,7 +52,8 @@ def resources(tile: tuple[int, int, int, int], cache: str, tma: bool, block_size
         elif name in ("block_tables", "seq_lens", "query_start_loc"):
             signature[name] = "*i32"
         else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
+            scalars = ("scale_log2", "inv_k_scale", "inv_v_scale", "v_scale")
+            signature[name] = "fp32" if name in scalars else "i32"
     names = _prefill_kernel.arg_names
     source = ASTSource(
         _prefill_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()}

@@ -26,6 +26,7 @@ MODULES = [
     "nano_kvcache.attention.prefill",
     "nano_kvcache.attention.tiles",
     "nano_models.layers.fp8_matmul",
+    "nano_models.layers.e4m3",
     "nano_models.layers.fp8_quant",
     "nano_models.layers.gemv",
     "nano_models.layers.moe_rows",
@@ -49,7 +50,7 @@ def kernels():
     for name in MODULES:
         module = importlib.import_module(name)
         for attr, value in vars(module).items():
-            if isinstance(value, triton.JITFunction):
+            if isinstance(value, triton.JITFunction) and value.fn.__module__ == name:
                 yield pytest.param(value, id=f"{name}.{attr}")
 
 

@@ -10,17 +10,17 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from nano_engine.bodies import (
+    Choices,
+    encode_message,
+    event,
+    events_of,
+    plain_choice,
+    scalar,
+)
 from nano_engine.metrics import _LATENCY_BUCKETS, _Gaps
 from nano_engine.outputs import CompletionOutput
 from nano_engine.protocol import CompletionRequest
-from nano_engine.server import (
-    Server,
-    _encode_message,
-    _event,
-    _events_of,
-    _plain_choice,
-    _scalar,
-)
 
 TEXTS = ["", " hello", 'a "quoted" \\ back', "line\nbreak\ttab", "é 漢字 🙂", "\x00\x1f\x7f"]
 
@@ -31,17 +31,17 @@ TEXTS = ["", " hello", 'a "quoted" \\ back', "line\nbreak\ttab", "é 漢字 🙂
 )
 def test_a_plain_choice_is_the_bytes_json_dumps_writes(text, finish, stop):
     o = CompletionOutput(3, text, [1, 2], finish, None, stop)
-    # (the general path: the choice's dict; self is not used without logprobs)
-    expected = json.dumps(Server._completion_choice(None, 7, o, False), ensure_ascii=False)
-    assert _plain_choice(7, o) == expected
+    # (the general path: the choice's dict; no token is read without logprobs)
+    expected = json.dumps(Choices(None).completion(7, o, False), ensure_ascii=False)
+    assert plain_choice(7, o) == expected
 
 
 def test_a_stream_s_events_are_its_chunks_as_json_dumps_writes_them():
     head = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": 'm "x"'}
     choices = [{"index": 0, "text": "é"}, {"index": 1, "text": ""}]
-    event = _events_of(head)(", ".join(json.dumps(c, ensure_ascii=False) for c in choices))
-    assert event == _event({**head, "choices": choices})
-    assert event == f"data: {json.dumps({**head, 'choices': choices}, ensure_ascii=False)}\n\n"
+    chunk = events_of(head)(", ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    assert chunk == event({**head, "choices": choices})
+    assert chunk == f"data: {json.dumps({**head, 'choices': choices}, ensure_ascii=False)}\n\n"
 
 
 @pytest.mark.parametrize(
@@ -56,12 +56,12 @@ def test_a_stream_s_events_are_its_chunks_as_json_dumps_writes_them():
     ],
 )
 def test_a_chat_delta_is_what_json_dumps_writes(message):
-    assert _encode_message(message) == json.dumps(message, ensure_ascii=False)
+    assert encode_message(message) == json.dumps(message, ensure_ascii=False)
 
 
 @pytest.mark.parametrize("value", [None, "stop", "é\n", 0, 151645])
 def test_a_scalar_is_what_json_dumps_writes(value):
-    assert _scalar(value) == json.dumps(value, ensure_ascii=False)
+    assert scalar(value) == json.dumps(value, ensure_ascii=False)
 
 
 class _Union(BaseModel):  # the prompt as a plain union: the forms the server accepted before

@@ -130,7 +130,7 @@ def test_heavy_requests_do_not_stall_the_others(server):
 
 
 def test_text_offsets_take_linear_time():
-    from nano_engine.server import text_offsets
+    from nano_engine.bodies import text_offsets
 
     tokens = ["ab", "c", "", "def"] * 25_000
     start = time.perf_counter()

@@ -17,8 +17,6 @@ import asyncio
 import contextlib
 import errno
 import functools
-import itertools
-import json
 import logging
 import signal
 import socket
@@ -27,7 +25,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from json.encoder import encode_basestring
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -35,13 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nano_engine import bodies
 from nano_engine._version import __version__
 from nano_engine.chat_reply import ChatReply
 from nano_engine.connections import RAW_SEND, Gate, error_body, error_response, http_protocol
 from nano_engine.interpreter import tune_for_serving
 from nano_engine.llm import merge_outputs, template_kwargs
 from nano_engine.metrics import ServerMetrics
-from nano_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from nano_engine.outputs import CompletionOutput, RequestOutput
 from nano_engine.protocol import (
     PROMPT_FORMS,
     ChatCompletionRequest,
@@ -114,7 +112,7 @@ class Server:
         self._admit = threading.Lock()  # the queue check and the submission, as one
         self._readers: set[asyncio.Event] = set()  # the wake-ups of requests in flight
         self.expired = False  # the shutdown's grace period ran out
-        self._token = functools.lru_cache(maxsize=1 << 18)(self._decode_token)
+        self.choices = bodies.Choices(functools.lru_cache(maxsize=1 << 18)(self._decode_token))
         self.app = FastAPI(title="nano-engine", version="1")
         self._routes()
 
@@ -373,22 +371,22 @@ class Server:
 
         def render() -> Response:
             choices = (
-                self._completion_choice(
+                self.choices.completion(
                     i * n + o.index, o, logprobs, self._echo(body, out), out, body.echo
                 )
                 for i, out in enumerate(outputs)
                 for o in out.outputs
             )
-            return _json(head, choices, _usage(outputs))
+            return bodies.json_response(head, choices, bodies.usage(outputs))
 
-        return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
+        return await self._work(bodies.entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
     async def _completion_chunks(self, streams, raw, head, n, body):
         totals: list[RequestOutput | None] = [None] * len(streams)
         logprobs = body.logprobs is not None
         echoed: set[int] = set()  # (choices whose prompt went out, with their first delta)
 
-        event = _events_of(head)
+        event = bodies.events_of(head)
 
         def render(i: int, delta: RequestOutput) -> str:
             plain = not (logprobs or body.echo or delta.prompt_logprobs is not None)
@@ -398,23 +396,23 @@ class Server:
                 first = index not in echoed
                 echoed.add(index)
                 if plain:  # (most chunks: no logprobs, nothing echoed)
-                    choices.append(_plain_choice(index, o))
+                    choices.append(bodies.plain_choice(index, o))
                     continue
                 prefix = self._echo(body, delta) if first else ""
                 prompt = delta if first else None
-                choice = self._completion_choice(index, o, logprobs, prefix, prompt, body.echo)
-                choices.append(_encode(choice))
+                choice = self.choices.completion(index, o, logprobs, prefix, prompt, body.echo)
+                choices.append(bodies.encode(choice))
             return event(", ".join(choices))
 
         async for i, delta in self._outputs(streams, raw, n):
             totals[i] = merge_outputs(totals[i], delta)
             yield await self._work(
-                _entries([delta], body.logprobs), INLINE_ENTRIES, render, i, delta
+                bodies.entries([delta], body.logprobs), INLINE_ENTRIES, render, i, delta
             )
             if delta.finished:
                 self.metrics.observe(totals[i], streams[i].engine_index)
         if body.include_usage:
-            yield _event({**head, "choices": [], "usage": _usage(totals)})
+            yield bodies.event({**head, "choices": [], "usage": bodies.usage(totals)})
 
     def _echo(self, body: CompletionRequest, out: RequestOutput) -> str:
         """The prompt, written back before the completion when ``echo`` asks for it."""
@@ -423,64 +421,6 @@ class Server:
         if out.prompt is not None:
             return out.prompt
         return self.engine.tokenizer.decode(out.prompt_token_ids)
-
-    def _completion_choice(
-        self,
-        index: int,
-        o: CompletionOutput,
-        logprobs: bool,
-        prefix: str = "",
-        prompt: RequestOutput | None = None,
-        echo: bool = False,
-    ) -> dict:
-        """A completion choice; ``prefix``: the echoed prompt text; ``prompt``: the output
-        that carries the prompt's logprobs (the first), written as vLLM's
-        ``prompt_logprobs`` and, with ``echo``, before the output's in ``logprobs``."""
-        choice = {
-            "index": index,
-            "text": prefix + o.text,
-            "logprobs": None,
-            "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason,
-        }
-        entries = list(o.logprobs) if logprobs and o.logprobs is not None else None
-        head = prompt.prompt_logprobs if prompt is not None else None
-        if head is not None:
-            choice["prompt_logprobs"] = [self._prompt_entry(lp) for lp in head]
-            if echo and entries is not None:
-                first = self._token(prompt.prompt_token_ids[0])
-                entries = [(first, None, {}), *head[1:], *entries]
-        if entries is not None:
-            rows = [
-                e if isinstance(e, tuple) else (self._token(e.token_id), e.logprob, self._top(e))
-                for e in entries
-            ]
-            tokens = [r[0] for r in rows]
-            choice["logprobs"] = {
-                "tokens": tokens,
-                "token_logprobs": [r[1] for r in rows],
-                "top_logprobs": [None if r[1] is None else r[2] for r in rows],
-                "text_offset": text_offsets(tokens),
-            }
-        return choice
-
-    def _top(self, lp: Logprob) -> dict:
-        return {self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
-
-    def _prompt_entry(self, lp: Logprob | None) -> dict | None:
-        """vLLM's prompt_logprobs entry: token id -> logprob, rank, decoded token."""
-        if lp is None:
-            return None
-        entry = {
-            str(t): {"logprob": v, "rank": rank, "decoded_token": self._token(t)}
-            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)
-        }
-        entry[str(lp.token_id)] = {
-            "logprob": lp.logprob,
-            "rank": lp.rank,
-            "decoded_token": self._token(lp.token_id),
-        }
-        return entry
 
     # ---- chat --------------------------------------------------------------------------------
 
@@ -527,7 +467,7 @@ class Server:
             return {
                 "index": o.index,
                 "message": message,
-                "logprobs": self._chat_logprobs(o, body),
+                "logprobs": self.choices.chat_logprobs(o, body.logprobs),
                 "finish_reason": reply.finish_reason(o.finish_reason, called),
                 "stop_reason": o.stop_reason,
             }
@@ -535,56 +475,41 @@ class Server:
         def render() -> Response:
             top = head
             if outputs[0].prompt_logprobs is not None:  # (vLLM's, beside the choices)
-                entries = [self._prompt_entry(lp) for lp in outputs[0].prompt_logprobs]
+                entries = [self.choices.prompt_entry(lp) for lp in outputs[0].prompt_logprobs]
                 top = {**head, "prompt_logprobs": entries}
-            return _json(top, (choice(o) for o in outputs[0].outputs), _usage(outputs))
+            return bodies.json_response(
+                top, (choice(o) for o in outputs[0].outputs), bodies.usage(outputs)
+            )
 
-        return await self._work(_entries(outputs, params.logprobs), INLINE_ENTRIES, render)
+        return await self._work(bodies.entries(outputs, params.logprobs), INLINE_ENTRIES, render)
 
     async def _chat_chunks(self, streams, raw, head, body, params, reply: ChatReply):
         total, splits = None, {}
-        event = _events_of(head)
+        event = bodies.events_of(head)
 
         def render(delta: RequestOutput) -> str:
             choices = []
             for o in delta.outputs:
                 split = splits.setdefault(o.index, reply.stream())
                 message, called = split.feed(o.text, final=o.finish_reason is not None)
-                logprobs = self._chat_logprobs(o, body)
+                logprobs = self.choices.chat_logprobs(o, body.logprobs)
+                finish = reply.finish_reason(o.finish_reason, called)
                 choices.append(
-                    f'{{"index": {o.index}, "delta": {_encode_message(message)}, '
-                    f'"logprobs": {"null" if logprobs is None else _encode(logprobs)}, '
-                    f'"finish_reason": {_scalar(reply.finish_reason(o.finish_reason, called))}}}'
+                    f'{{"index": {o.index}, "delta": {bodies.encode_message(message)}, '
+                    f'"logprobs": {"null" if logprobs is None else bodies.encode(logprobs)}, '
+                    f'"finish_reason": {bodies.scalar(finish)}}}'
                 )
             return event(", ".join(choices))
 
         async for _, delta in self._outputs(streams, raw, params.n):
             total = merge_outputs(total, delta)
             yield await self._work(
-                _entries([delta], params.logprobs), INLINE_ENTRIES, render, delta
+                bodies.entries([delta], params.logprobs), INLINE_ENTRIES, render, delta
             )
             if delta.finished:
                 self.metrics.observe(total, streams[0].engine_index)
         if body.include_usage:
-            yield _event({**head, "choices": [], "usage": _usage([total])})
-
-    def _chat_logprobs(self, o: CompletionOutput, body: ChatCompletionRequest) -> dict | None:
-        if not body.logprobs or o.logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            token = self._token(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        return {
-            "content": [
-                {
-                    **entry(lp.token_id, lp.logprob),
-                    "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)],
-                }
-                for lp in o.logprobs
-            ]
-        }
+            yield bodies.event({**head, "choices": [], "usage": bodies.usage([total])})
 
     # ---- tokens ------------------------------------------------------------------------------
 
@@ -718,9 +643,9 @@ class EventStream(Response):
                     {"type": "http.response.body", "body": event.encode(), "more_body": True}
                 )
         except APIError as e:
-            last = _event(error_body(e.status, e.message, e.kind))
+            last = bodies.event(error_body(e.status, e.message, e.kind))
         except (EngineDeadError, ConnectionAbortedError) as e:
-            last = _event(error_body(503, str(e), "service_unavailable"))
+            last = bodies.event(error_body(503, str(e), "service_unavailable"))
         finally:  # (its requests aborted now, should a send fail or the task be cancelled)
             await self.events.aclose()
         body = f"{last}data: [DONE]\n\n".encode()
@@ -756,11 +681,6 @@ def _request_id(raw: Request, body, kind: str) -> str:
     return given or body.request_id or f"{kind}-{uuid.uuid4().hex}"
 
 
-def text_offsets(tokens: list[str]) -> list[int]:
-    """Where each token's text starts in the completion (linear: a running sum)."""
-    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
-
-
 # request fields an engine error may begin with (its param)
 _NAMED_IN_ERRORS = (
     "stop_token_ids",
@@ -791,72 +711,6 @@ def _chars(messages) -> int:
         len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
         for m in messages
     )
-
-
-def _entries(outputs: list[RequestOutput], logprobs: int | None) -> int:
-    """Tokens x (logprobs + 1) in outputs: the work of rendering them."""
-    return ((logprobs or 0) + 1) * sum(len(c.token_ids) for o in outputs for c in o.outputs)
-
-
-# (one encoder: json.dumps with an option builds a new one at every call, most of the time of
-# a small chunk's)
-_encode = json.JSONEncoder(ensure_ascii=False).encode
-
-
-def _event(chunk: dict) -> str:
-    return f"data: {_encode(chunk)}\n\n"
-
-
-def _events_of(head: dict) -> Callable[[str], str]:
-    """The events of one stream: ``head`` (its id, object, created, model) serialized once,
-    each event then its choices (serialized, comma-separated) after it."""
-    prefix = f'data: {_encode(head)[:-1]}, "choices": ['
-    return lambda choices: f"{prefix}{choices}]}}\n\n"
-
-
-def _plain_choice(index: int, o: CompletionOutput) -> str:
-    """A completion choice without logprobs, written directly (the bytes json.dumps would
-    write for ``_completion_choice``'s dict, in a tenth of the time)."""
-    return (
-        f'{{"index": {index}, "text": {encode_basestring(o.text)}, "logprobs": null, '
-        f'"finish_reason": {_scalar(o.finish_reason)}, "stop_reason": {_scalar(o.stop_reason)}}}'
-    )
-
-
-def _scalar(value: str | int | None) -> str:
-    """A string, number or null in JSON (the encoder builds a whole pass for anything but a
-    string)."""
-    if value is None:
-        return "null"
-    return encode_basestring(value) if isinstance(value, str) else _encode(value)
-
-
-def _encode_message(message: dict) -> str:
-    """A chat delta; most are text alone."""
-    if len(message) == 1 and type(message.get("content")) is str:
-        return f'{{"content": {encode_basestring(message["content"])}}}'
-    return _encode(message)
-
-
-def _json(head: dict, choices, usage: dict) -> Response:
-    """A response body of ``head``, the ``choices`` (an iterable of dicts: each is serialized
-    and dropped before the next is built, so that n x logprobs objects never live at once) and
-    ``usage``."""
-    parts = [_encode(head)[:-1], ', "choices": [']
-    for i, choice in enumerate(choices):
-        parts.append((", " if i else "") + _encode(choice))
-    parts.append(f'], "usage": {_encode(usage)}}}')
-    return Response("".join(parts).encode(), media_type="application/json")
-
-
-def _usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 def build_app(

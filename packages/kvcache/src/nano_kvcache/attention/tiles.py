@@ -1,10 +1,12 @@
-"""What the paged attention kernels share (``decode``, ``prefill``): a K/V tile's load through
-the block table, one key tile of the online softmax (base 2, fp32), and the host's checks and
-launch keys."""
+"""What the paged attention kernels share (``decode``, ``prefill``): in the kernels, a K/V
+tile's load through the block table and one key tile of the online softmax (base 2, fp32); on
+the host, ``metadata_jit`` (no recompiles for the step's metadata), the caches' checks, the
+dots' precision and the key under which a launch is reused."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import triton
@@ -70,7 +72,7 @@ def attend(
     return m_new, l_i, acc
 
 
-def metadata_jit(pointers: list[str]):
+def metadata_jit(pointers: list[str]) -> Callable:
     """``triton.jit`` without specializations on the step metadata. Triton compiles a variant
     per 16-byte alignment of every pointer and divisibility of every int; in a mixed batch the
     decode metadata are slices at any offset (seq_lens[num_prefills:]) and the block-table width
@@ -82,7 +84,9 @@ def metadata_jit(pointers: list[str]):
     return triton.jit(**options)
 
 
-def check_cache(q, k_cache, v_cache, k_scale: float, v_scale: float) -> None:
+def check_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float
+) -> None:
     """Caches in q's dtype (scales 1), or both FP8 (e4m3) with finite scales > 0."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if v_cache.dtype != k_cache.dtype or (k_cache.dtype != q.dtype and not fp8):
@@ -97,8 +101,8 @@ def check_cache(q, k_cache, v_cache, k_scale: float, v_scale: float) -> None:
 
 
 def precision(q: torch.Tensor) -> str:
-    # fp32 inputs: full precision (tf32 would lose the reference's accuracy); fp16/bf16: tensor
-    # cores as they are.
+    """The dots' ``input_precision``: full for fp32 inputs (tf32 would lose the reference's
+    accuracy); fp16/bf16 go through the tensor cores as they are."""
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
