@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import nano_engine
-from nano_engine import cli
+from nano_engine import cli, options
 from nano_engine.config import DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
 from nano_scheduler.sim.profile import read_step_log
 
@@ -140,7 +140,7 @@ def test_every_option_of_every_command_has_help_and_shows_its_default():
                 continue
             what = f"{name} {'/'.join(action.option_strings) or action.dest}"
             assert action.help and action.help.strip(), f"{what} has no help"
-            shown = cli.HelpFormatter(prog="x")._get_help_string(action)
+            shown = options.HelpFormatter(prog="x")._get_help_string(action)
             if action.option_strings and action.default not in (None, argparse.SUPPRESS):
                 assert "default" in shown or action.nargs == 0, f"{what} hides its default"
             if action.default is None and action.option_strings and action.nargs != 0:
@@ -231,13 +231,13 @@ def test_vllm_flag_spellings_and_ours_give_the_same_engine():
         extra = ["--out", "p.json"] if command == "profile" else []
         for spelling in (VLLM_SPELLINGS, OURS):
             args = cli.parse_args([command, str(TINY), *spelling, *extra])
-            assert cli.engine_kwargs(args) == expected, (command, spelling)
+            assert options.engine_kwargs(args) == expected, (command, spelling)
     args = cli.parse_args(["serve", str(TINY), "--served-model-name", "qwen", *VLLM_SPELLINGS])
     assert args.served_model_name == "qwen"
     config = EngineConfig.from_kwargs(str(TINY), **expected)
     # engine_flags (for an engine started in another process) is the inverse of the parser.
-    again = cli.parse_args(["bench", str(TINY), *cli.engine_flags(config)])
-    assert cli.engine_kwargs(again) == expected
+    again = cli.parse_args(["bench", str(TINY), *options.engine_flags(config)])
+    assert options.engine_kwargs(again) == expected
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def server(
     time, each workload's span of the log, and how the engine ran (``engine_process``)."""
     with tempfile.TemporaryDirectory(prefix="nano-engine-profile-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
-        from nano_engine.cli import engine_flags
+        from nano_engine.options import engine_flags
 
         options = engine_flags(config)
         if not engine_process:
