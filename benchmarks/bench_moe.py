@@ -9,7 +9,7 @@ bytes (a device-to-device copy measured here), the fused layer's time replayed i
 routing and alignment are one program), the torch path's time (eager), and the routing with the
 pairs' alignment, and the alignment alone, in torch's ops, in one Triton program and in the
 parallel launches (in graphs). ``--torch-align``: the layer takes torch's ops past
-``ONE_PROGRAM_PAIRS`` pairs, as before the parallel launches (``moe_triton.PARALLEL_ALIGN``);
+``ONE_PROGRAM_PAIRS`` pairs, as before the parallel launches (``moe_routing.PARALLEL_ALIGN``);
 ``--one-program-pairs N`` sets ``ONE_PROGRAM_PAIRS``.
 Up to 16 tokens also the two ways apart: the grouped GEMMs (``moe_triton``) and the products row
 by row (``moe_rows``, which ``routed_moe`` takes up to ``ROWS_TOKENS`` tokens).
@@ -31,19 +31,18 @@ import torch
 from graph_timing import replayed_us
 from triton.testing import do_bench
 
-from nano_models.layers import moe_triton
+from nano_models.layers import moe_routing
 from nano_models.layers.moe import ExpertScales, moe_torch, route
-from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
-from nano_models.layers.moe_triton import (
-    _tiles,
+from nano_models.layers.moe_routing import (
     align_parallel,
     align_torch,
     align_triton,
     route_align_parallel,
     route_align_triton,
     route_triton,
-    routed_moe,
 )
+from nano_models.layers.moe_rows import moe_rows, routed_moe_rows
+from nano_models.layers.moe_triton import _tiles, routed_moe
 
 ROWS_CANDIDATES = [
     (n, k, w)
@@ -115,7 +114,7 @@ def run(
                 rep=200,
             ),
         }
-    # The routing and the pairs' alignment alone, both ways (moe_triton.ONE_PROGRAM_PAIRS
+    # The routing and the pairs' alignment alone, both ways (moe_routing.ONE_PROGRAM_PAIRS
     # picks between them), and the alignment alone.
     logits = x @ router
     ways = {
@@ -217,12 +216,12 @@ def main() -> None:
         action="store_true",
         help="past ONE_PROGRAM_PAIRS torch's ops, not the parallel launches (PARALLEL_ALIGN)",
     )
-    p.add_argument("--one-program-pairs", type=int, help="moe_triton.ONE_PROGRAM_PAIRS")
+    p.add_argument("--one-program-pairs", type=int, help="moe_routing.ONE_PROGRAM_PAIRS")
     args = p.parse_args()
     if args.torch_align:
-        moe_triton.PARALLEL_ALIGN = False
+        moe_routing.PARALLEL_ALIGN = False
     if args.one_program_pairs is not None:
-        moe_triton.ONE_PROGRAM_PAIRS = args.one_program_pairs
+        moe_routing.ONE_PROGRAM_PAIRS = args.one_program_pairs
     shape = (args.experts, args.intermediate, args.hidden, args.top_k, torch.bfloat16)
     if args.sweep_rows:
         sweeps = []

@@ -19,8 +19,9 @@ import json
 import torch
 from graph_timing import replayed_us
 
+from nano_models.layers.moe_routing import align
 from nano_models.layers.moe_tiles import as_kwargs
-from nano_models.layers.moe_triton import align, grouped_gemm
+from nano_models.layers.moe_triton import grouped_gemm
 
 TOKENS = [1, 8, 32, 128, 256, 1024, 4096, 16384]
 

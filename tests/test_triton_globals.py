@@ -29,6 +29,7 @@ MODULES = [
     "nano_models.layers.e4m3",
     "nano_models.layers.fp8_quant",
     "nano_models.layers.gemv",
+    "nano_models.layers.moe_routing",
     "nano_models.layers.moe_rows",
     "nano_models.layers.moe_triton",
     "nano_models.layers.rotary_triton",

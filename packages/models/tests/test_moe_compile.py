@@ -94,7 +94,7 @@ def test_the_few_token_kernels_compile(scaling, block, pack, tmp_path):
 def test_the_parallel_alignment_compiles(route, tmp_path):
     """Its two launches at Qwen3-30B-A3B's router (128 experts, top-8), as
     ``route_align_parallel`` and ``align_parallel`` launch them."""
-    from nano_models.layers.moe_triton import _count_kernel, _place_block, _place_kernel
+    from nano_models.layers.moe_routing import _count_kernel, _place_block, _place_kernel
 
     pointers = {"logits": "*bf16", "weights": "*bf16", "ids": "*i32", "counts": "*i32"}
     pointers["sorted_pairs"] = "*i32"

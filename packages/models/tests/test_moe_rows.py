@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 from test_moe_triton import reference  # (float64, a token and a slot at a time)
 
 from nano_models.layers.moe import moe_torch, route
+from nano_models.layers.moe_routing import route_triton
 from nano_models.layers.moe_rows import ROWS_TOKENS, moe_rows, routed_moe_rows
-from nano_models.layers.moe_triton import route_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

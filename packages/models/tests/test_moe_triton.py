@@ -15,18 +15,17 @@ import torch
 pytest.importorskip("triton")
 
 from nano_models.layers.moe import ExpertScales, moe_torch, route
-from nano_models.layers.moe_tiles import as_kwargs, choose, rule
-from nano_models.layers.moe_triton import (
+from nano_models.layers.moe_routing import (
     align,
     align_parallel,
     align_torch,
     align_triton,
-    fused_moe,
     route_align,
     route_align_parallel,
     route_align_triton,
-    routed_moe,
 )
+from nano_models.layers.moe_tiles import as_kwargs, choose, rule
+from nano_models.layers.moe_triton import fused_moe, routed_moe
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,29 +203,30 @@ def test_route_align_of_a_strided_logits_view():
 
 
 def test_one_program_for_decode_many_for_long_prefills_torch_off_cuda(monkeypatch):
-    import nano_models.layers.moe_triton as moe_triton
+    import nano_models.layers.moe_routing as moe_routing
 
     ids = routing(40, 16, 4, "random", seed=1)
     calls = []
     for name in ("align_triton", "align_parallel", "align_torch"):
-        monkeypatch.setattr(moe_triton, name, lambda *a, name=name: calls.append(name) or ())
-    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
-    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
+        monkeypatch.setattr(moe_routing, name, lambda *a, name=name: calls.append(name) or ())
+    monkeypatch.setattr(moe_routing, "PARALLEL_ALIGN", True)
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_PAIRS", 160)
     align(ids, 16, 16)
-    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 159)
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_PAIRS", 159)
     align(ids, 16, 16)
-    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", False)
+    monkeypatch.setattr(moe_routing, "PARALLEL_ALIGN", False)
     align(ids, 16, 16)
     cuda = ["align_triton", "align_parallel", "align_torch"]
     assert calls == (cuda if DEVICE == "cuda" else ["align_torch"] * 3)
     calls.clear()
     for name in ("route_align_triton", "route_align_parallel"):
-        monkeypatch.setattr(moe_triton, name, lambda *a, name=name: calls.append(name) or (0, 0, 0))
+        stub = lambda *a, name=name: calls.append(name) or (0, 0, 0)  # noqa: E731
+        monkeypatch.setattr(moe_routing, name, stub)
     logits = torch.randn(40, 16, device=DEVICE)
     torch_ids = route_align(logits, 4, True, torch.float32, 16)[1]  # (159 at most in one program)
-    monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", True)
+    monkeypatch.setattr(moe_routing, "PARALLEL_ALIGN", True)
     route_align(logits, 4, True, torch.float32, 16)
-    monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 160)
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_PAIRS", 160)
     route_align(logits, 4, True, torch.float32, 16)
     assert torch_ids.dtype == torch.int64  # (torch's topk)
     if DEVICE == "cuda":
@@ -353,10 +353,10 @@ def alignment(request, monkeypatch):
     outputs must not depend on it, bit for bit) or torch's ops (where Triton is older than
     3.5)."""
     if request.param != "default":
-        import nano_models.layers.moe_triton as moe_triton
+        import nano_models.layers.moe_routing as moe_routing
 
-        monkeypatch.setattr(moe_triton, "PARALLEL_ALIGN", request.param == "parallel")
-        monkeypatch.setattr(moe_triton, "ONE_PROGRAM_PAIRS", 0)
+        monkeypatch.setattr(moe_routing, "PARALLEL_ALIGN", request.param == "parallel")
+        monkeypatch.setattr(moe_routing, "ONE_PROGRAM_PAIRS", 0)
     return request.param
 
 

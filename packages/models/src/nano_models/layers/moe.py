@@ -8,11 +8,11 @@ parallelism each rank holds a slice of every expert's intermediate dimension I a
 all-reduces its output, as a row-parallel layer does.
 
 On CUDA (with Triton) the routing and the experts run in a few launches (``moe_triton``: the
-routing with the pairs' alignment, two grouped GEMMs, a sum), whose shapes depend on the number
-of tokens alone: decode steps run in CUDA graphs; up to a few tokens ``moe_rows`` (routing, then
-each chosen expert's rows read straight from it). ``moe_torch`` is
-the CPU's path and the kernels' reference: it gathers each expert's tokens, so its shapes
-depend on the routing.
+routing with the pairs' alignment, ``moe_routing``, then two grouped GEMMs and a sum), whose
+shapes depend on the number of tokens alone: decode steps run in CUDA graphs; up to a few
+tokens ``moe_rows`` (routing, then each chosen expert's rows read straight from it).
+``moe_torch`` is the CPU's path and the kernels' reference: it gathers each expert's tokens,
+so its shapes depend on the routing.
 """
 
 from __future__ import annotations

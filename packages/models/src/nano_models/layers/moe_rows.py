@@ -33,7 +33,7 @@ import triton.language as tl
 from nano_kvcache.launch import launch_options, pdl
 from nano_models.layers.gemv import nvidia, widened
 from nano_models.layers.moe import ExpertScales, check_expert_scales
-from nano_models.layers.moe_triton import route_triton
+from nano_models.layers.moe_routing import route_triton
 
 # Up to this many tokens ``moe_triton.routed_moe`` runs these launches. Measured on an H200
 # (benchmarks/bench_moe.py, Qwen3-30B-A3B's layer with its router, in CUDA graphs; rows /
