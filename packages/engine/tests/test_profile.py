@@ -71,7 +71,7 @@ def test_the_profile_holds_the_engine_and_what_was_measured(profile):
     # The way in beyond the front's handling: fitted on the calmest workload's ways in (the
     # profile says which they are), a part of their typical one at their own prompts' sizes
     # (on a loaded CPU the fit may put it all on the tokens).
-    from nano_scheduler.sim.profiled import _calmest
+    from nano_scheduler.sim.server_costs import _calmest
 
     calm = _calmest(p.server)[0]
     assert len(calm) >= 10

@@ -30,9 +30,11 @@ from nano_scheduler.sim import BatchShape, DeviceOnlyModel, Request, Simulator
 from nano_scheduler.sim.cost_model import StepCost
 from nano_scheduler.sim.fit import Piecewise, increasing, nnlad, nnls
 from nano_scheduler.sim.host import ServerCosts, ServerHost
+from nano_scheduler.sim.host_time import HostModel
 from nano_scheduler.sim.metrics import summarize
 from nano_scheduler.sim.profile import Profile, StepRecord
-from nano_scheduler.sim.profiled import HostModel, ProfiledCostModel, server_costs
+from nano_scheduler.sim.profiled import ProfiledCostModel
+from nano_scheduler.sim.server_costs import server_costs
 
 
 @pytest.fixture(scope="module")
