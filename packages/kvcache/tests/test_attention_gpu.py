@@ -89,10 +89,15 @@ if not INTERPRET:
     DECODE_CASES += [(16, 16, 8, 128, [32768, 20000]), (16, 16, 8, 128, [1000] * 64)]
 
 
+@pytest.mark.parametrize("rows", [16, 1], ids=["rows16", "group-rows"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES)
-def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens):
-    from nano_kvcache.attention import decode_splits, paged_decode
+def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens, rows, monkeypatch):
+    """Against the float64 reference, with each program's q tile padded to 16 rows or to its
+    kv head's query heads alone (``GROUP_ROWS``)."""
+    from nano_kvcache.attention import decode, decode_splits, paged_decode
+
+    monkeypatch.setattr(decode, "GROUP_ROWS", rows)
 
     rng = random.Random(block_size + heads)
     g = torch.Generator(device=DEVICE).manual_seed(len(lens))
@@ -269,15 +274,19 @@ if not INTERPRET:
     FP8_DECODE_DOTS.append(pytest.param(torch.bfloat16, False, id="bf16-bf16-dots"))
 
 
+@pytest.mark.parametrize("rows", [16, 1], ids=["rows16", "group-rows"])
 @pytest.mark.parametrize("dtype,fp16_dots", FP8_DECODE_DOTS)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 0.05)])
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES[:3])
 def test_paged_decode_over_an_fp8_cache(
-    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots
+    block_size, heads, kv_heads, head_dim, lens, scales, dtype, fp16_dots, rows, monkeypatch
 ):
     """Each value read as it is stored, times its scale: the float64 attention over the
-    dequantized cache (the kernel computes in fp16 or q's dtype)."""
-    from nano_kvcache.attention import paged_decode
+    dequantized cache (the kernel computes in fp16 or q's dtype; its q tile padded to 16 rows
+    or not, ``GROUP_ROWS``)."""
+    from nano_kvcache.attention import decode, paged_decode
+
+    monkeypatch.setattr(decode, "GROUP_ROWS", rows)
 
     rng = random.Random(block_size)
     g = torch.Generator(device=DEVICE).manual_seed(7)

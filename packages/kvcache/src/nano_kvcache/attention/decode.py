@@ -33,6 +33,13 @@ _FP8_MAX_REGISTERS = {128: 128}
 EARLY_TILES = 1
 # The decode grid's programs, at least (up to decode_splits' max_splits; see decode_splits).
 DECODE_PROGRAMS = 1024
+# The rows of the q tile a program attends with, at least: its kv head's query heads, padded
+# to a power of two. Triton pads a dot's rows to the tensor cores' 16 itself (Triton >= 3.2);
+# a smaller tile holds fewer softmax values and a smaller accumulator. Compiled for sm_90a at
+# Qwen3-0.6B's heads (GQA 2): FP8 cache 1,176 -> 1,040 instructions (128 registers either
+# way), bf16 cache 872 -> 904 instructions but 128 -> 96 registers (five programs a
+# multiprocessor instead of four). 16 until timed on a GPU (see benchmarks/RESULTS.md).
+GROUP_ROWS = 16
 
 
 @triton.jit
@@ -409,7 +416,7 @@ class DecodeLaunches:
         constexprs = dict(
             BLOCK_SIZE=block_size,
             GROUP=heads // kv_heads,
-            BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+            BLOCK_G=max(GROUP_ROWS, triton.next_power_of_2(heads // kv_heads)),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_N=self.block_n,
