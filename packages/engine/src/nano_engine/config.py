@@ -30,12 +30,13 @@ class EngineConfig:
     alone, or the path of that file), or a hub id ("Qwen/Qwen3-0.6B": fetched into the Hugging
     Face cache, or found there offline; ``nano_engine.hub``) at ``revision`` (by
     ``from_kwargs``, which then holds the snapshot's directory). tokenizer: default the model's
-    (a directory or a hub id). max_model_len:
-    default and cap the model's max_position_embeddings. KV cache: on CUDA, sized from
-    gpu_memory_utilization after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb
-    (default 1); num_kvcache_blocks overrides both. async_scheduling: schedule and launch each
-    step while the previous one runs (its sampled tokens feed the next step on the device;
-    with tensor parallelism rank 0 broadcasts them to the workers); default on.
+    (a directory or a hub id). max_model_len: default and cap the model's
+    max_position_embeddings, or the window of a sliding-window attention (not implemented: the
+    same as full attention up to there). KV cache: on CUDA, sized from gpu_memory_utilization
+    after a warm-up at the largest batch; on the CPU, kv_cache_memory_gb (default 1);
+    num_kvcache_blocks overrides both. async_scheduling: schedule and launch each step while the
+    previous one runs (its sampled tokens feed the next step on the device; with tensor
+    parallelism rank 0 broadcasts them to the workers); default on.
     reasoning_parser (``qwen3``, ``deepseek_r1``): chat outputs split into reasoning and
     content, and a structured output's constraint applies once the reasoning has ended.
     kv_cache_dtype: ``auto`` (the model's dtype) or ``fp8`` (``fp8_e4m3``): the cache holds K

@@ -78,13 +78,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
-        limit = mc.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = resolve_max_model_len(config.max_model_len, mc)
         self.tokenizer = load_tokenizer(config)
         self.eos_token_ids = eos_token_ids(config, mc, self.tokenizer)
         device = resolve_device(config.device)
@@ -650,6 +644,33 @@ class LLMEngine:
 
 _gc_lock = threading.Lock()
 _gc_holders = 0  # live engines that froze the collector (gc.freeze is process-wide)
+
+
+def resolve_max_model_len(requested: int | None, mc: ModelConfig) -> int:
+    """The engine's max_model_len: ``requested`` (at most the model's positions), else the
+    longest context the model computes as its checkpoint's does (``ModelConfig.max_context``:
+    its positions, or the window of a sliding-window attention, which ours is not)."""
+    window = mc.sliding_window
+    if requested is None:
+        if window is not None:
+            log.warning(
+                "max_model_len %d: the model's attention slides over a window of %d tokens "
+                "(not implemented; full attention is the same up to there)",
+                window,
+                window,
+            )
+        return mc.max_context
+    if requested > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"({mc.max_position_embeddings})"
+        )
+    if window is not None and requested > window:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
+            f"sliding-window attention is not supported; {window} or less computes the same"
+        )
+    return requested
 
 
 def _touched(touched: dict, request: Request, index: int) -> None:

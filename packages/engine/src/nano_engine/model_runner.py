@@ -163,6 +163,7 @@ class ModelRunner:
             seed=config.seed,
             quantization=config.quantization,
             quantize_lm_head=config.quantize_lm_head,
+            max_len=max_model_len,
         )
         log.info(
             "rank %d: loaded %s (%s, %.1f GB read) in %.1f s",

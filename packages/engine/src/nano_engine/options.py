@@ -132,7 +132,7 @@ ENGINE_OPTIONS: dict[str, EngineOption] = {
     "max_model_len": EngineOption(
         ("--max-model-len",),
         "the longest sequence, prompt and output (default and cap: the model's "
-        "max_position_embeddings)",
+        "max_position_embeddings, or its sliding window)",
         positive,
     ),
     "gpu_memory_utilization": EngineOption(

@@ -84,6 +84,22 @@ class ModelConfig:
             raw=config,
         )
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of sliding-window attention where it is on and shorter than the model's
+        positions (each token then attends to the last ``sliding_window`` only), else None.
+        Our attention is full: up to the window's length the two are the same."""
+        window = self.raw.get("sliding_window")
+        if window is None or not self.raw.get("use_sliding_window", True):
+            return None
+        return window if window < self.max_position_embeddings else None
+
+    @property
+    def max_context(self) -> int:
+        """The longest context computed as the checkpoint's model computes it: its positions, or
+        a sliding window's length (full attention is windowed attention up to there)."""
+        return self.sliding_window or self.max_position_embeddings
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

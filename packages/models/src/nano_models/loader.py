@@ -57,6 +57,7 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    max_len: int | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """The model of a checkpoint directory, on ``device`` in ``dtype`` (default: the config's).
 
@@ -64,11 +65,20 @@ def load_model(
     random weights (seeded) and reads no file; ``path`` may then be a ``ModelConfig``. FP8
     weights (``nano_models.quantization``): a checkpoint's (its quantization_config), or
     ``quantization="fp8"`` on one in bf16 or fp32 (quantized as it loads); ``quantize_lm_head``:
-    the LM head's weight too (a scale per vocabulary row), with either.
+    the LM head's weight too (a scale per vocabulary row), with either. ``max_len``: the
+    longest sequence it will run (default: the config's positions); a model whose attention
+    slides over a shorter window than that is refused (ours is full attention).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     cfg = path if isinstance(path, ModelConfig) else ModelConfig.from_pretrained(path)
+    window = cfg.sliding_window
+    if window is not None and (max_len is None or max_len > window):
+        raise ValueError(
+            f"sliding-window attention (window {window}) is not supported: sequences of at most "
+            f"{window} tokens compute the same (max_len {window} or less; max_model_len in "
+            "nano-engine)"
+        )
     fp8 = Fp8Config.of(cfg, quantization)
     if quantize_lm_head:
         rows = -(-cfg.vocab_size // tp.size)

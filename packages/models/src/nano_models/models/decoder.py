@@ -188,13 +188,6 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        window = cfg.raw.get("sliding_window")
-        if (
-            cfg.raw.get("use_sliding_window", window is not None)
-            and window is not None
-            and (window < cfg.max_position_embeddings)
-        ):
-            raise ValueError(f"sliding-window attention (window {window}) is not supported")
         self.config, self.tp = cfg, tp
         spec = self.spec_for(cfg)
         self.model = DecoderModel(cfg, spec, tp, lambda i: self.make_mlp(cfg, spec, tp, i))
