@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nano_engine import hub
 from nano_engine.reasoning import PARSERS
 from nano_scheduler.router import ROUTERS
+
+if TYPE_CHECKING:
+    from nano_models import ModelConfig
+
+log = logging.getLogger("nano_engine")
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -185,3 +192,30 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def resolve_max_model_len(requested: int | None, mc: ModelConfig) -> int:
+    """The engine's max_model_len: ``requested`` (at most the model's positions), else the
+    longest context the model computes as its checkpoint's does (``ModelConfig.max_context``:
+    its positions, or the window of a sliding-window attention, which ours is not)."""
+    window = mc.sliding_window
+    if requested is None:
+        if window is not None:
+            log.warning(
+                "max_model_len %d: the model's attention slides over a window of %d tokens "
+                "(not implemented; full attention is the same up to there)",
+                window,
+                window,
+            )
+        return mc.max_context
+    if requested > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"({mc.max_position_embeddings})"
+        )
+    if window is not None and requested > window:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
+            f"sliding-window attention is not supported; {window} or less computes the same"
+        )
+    return requested

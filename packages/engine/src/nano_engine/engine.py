@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nano_engine.config import EngineConfig
+from nano_engine.config import EngineConfig, resolve_max_model_len
 from nano_engine.grammars import StepGrammars
 from nano_engine.model_runner import ModelRunner, StepInput, resolve_device
 from nano_engine.outputs import Logprob, RequestOutput, WireOutput, is_last, tokens_of
@@ -644,33 +644,6 @@ class LLMEngine:
 
 _gc_lock = threading.Lock()
 _gc_holders = 0  # live engines that froze the collector (gc.freeze is process-wide)
-
-
-def resolve_max_model_len(requested: int | None, mc: ModelConfig) -> int:
-    """The engine's max_model_len: ``requested`` (at most the model's positions), else the
-    longest context the model computes as its checkpoint's does (``ModelConfig.max_context``:
-    its positions, or the window of a sliding-window attention, which ours is not)."""
-    window = mc.sliding_window
-    if requested is None:
-        if window is not None:
-            log.warning(
-                "max_model_len %d: the model's attention slides over a window of %d tokens "
-                "(not implemented; full attention is the same up to there)",
-                window,
-                window,
-            )
-        return mc.max_context
-    if requested > mc.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's max_position_embeddings "
-            f"({mc.max_position_embeddings})"
-        )
-    if window is not None and requested > window:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
-            f"sliding-window attention is not supported; {window} or less computes the same"
-        )
-    return requested
 
 
 def _touched(touched: dict, request: Request, index: int) -> None:
