@@ -43,10 +43,36 @@ def test_a_longer_max_model_len_is_refused_naming_the_window(mistral):
     assert model.config.sliding_window == WINDOW
 
 
-def test_a_window_that_is_off_or_as_long_as_the_positions_changes_nothing(checkpoints):
-    off = ModelConfig.from_pretrained(
-        checkpoints("qwen2", use_sliding_window=False, sliding_window=WINDOW)
-    )
-    assert off.sliding_window is None and off.max_context == off.max_position_embeddings
-    whole = ModelConfig.from_pretrained(checkpoints("mistral", sliding_window=512))
-    assert whole.sliding_window is None and whole.max_context == 512
+@pytest.mark.parametrize(
+    "arch,keys,window",
+    [
+        ("MistralForCausalLM", {}, WINDOW),  # (Mistral: on when set)
+        ("MistralForCausalLM", {"sliding_window": None}, None),
+        ("MistralForCausalLM", {"sliding_window": 512}, None),  # (as long as the positions)
+        ("Qwen2ForCausalLM", {}, None),  # (the Qwen models: off unless switched on)
+        ("Qwen2ForCausalLM", {"use_sliding_window": False}, None),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True}, WINDOW),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 2}, None),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}, WINDOW),
+        ("Qwen3ForCausalLM", {"layer_types": ["full_attention"] * 2}, None),
+        ("Qwen3ForCausalLM", {"layer_types": ["full_attention", "sliding_attention"]}, WINDOW),
+    ],
+)
+def test_the_window_is_read_as_transformers_reads_it(arch, keys, window):
+    """Which configs slide (transformers' reading: layer_types, else use_sliding_window with
+    its per-model default and max_window_layers); a window as long as the positions does not
+    count."""
+    raw = {
+        "architectures": [arch],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+        "sliding_window": WINDOW,
+        **keys,
+    }
+    config = ModelConfig.from_dict(raw)
+    assert config.sliding_window == window
+    assert config.max_context == (window or 512)

@@ -185,7 +185,9 @@ def test_missing_config_and_sliding_window(checkpoint, tmp_path):
     path = copy_with(
         checkpoint,
         tmp_path,
-        edit_config=lambda c: c.update(use_sliding_window=True, sliding_window=16),
+        edit_config=lambda c: c.update(
+            use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None
+        ),
     )
     with pytest.raises(ValueError, match="sliding-window attention"):
         load_model(path)

@@ -208,14 +208,14 @@ def resolve_max_model_len(requested: int | None, mc: ModelConfig) -> int:
                 window,
             )
         return mc.max_context
-    if requested > mc.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's max_position_embeddings "
-            f"({mc.max_position_embeddings})"
-        )
     if window is not None and requested > window:
         raise ValueError(
             f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
             f"sliding-window attention is not supported; {window} or less computes the same"
+        )
+    if requested > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"({mc.max_position_embeddings})"
         )
     return requested

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Architectures whose configs leave sliding-window attention off unless use_sliding_window says
+# so (transformers' defaults; Mistral's has no such switch: its window is on when it is set).
+_WINDOW_OFF_BY_DEFAULT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,22 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
-        """The window of sliding-window attention where it is on and shorter than the model's
-        positions (each token then attends to the last ``sliding_window`` only), else None.
-        Our attention is full: up to the window's length the two are the same."""
-        window = self.raw.get("sliding_window")
-        if window is None or not self.raw.get("use_sliding_window", True):
+        """The window of sliding-window attention where some layer slides and the window is
+        shorter than the model's positions (a token then attends to the last ``sliding_window``
+        tokens, itself included), else None. As transformers reads it: ``layer_types`` where
+        given, else where ``use_sliding_window`` (default on but for the Qwen models), and then
+        in the layers from ``max_window_layers`` on. Our attention is full: up to the window's
+        length the two are the same."""
+        raw = self.raw
+        window = raw.get("sliding_window")
+        if window is None or window >= self.max_position_embeddings:
             return None
-        return window if window < self.max_position_embeddings else None
+        types = raw.get("layer_types")
+        if types is not None:
+            return window if "sliding_attention" in types else None
+        first = raw.get("max_window_layers", 0)
+        on = raw.get("use_sliding_window", self.architecture not in _WINDOW_OFF_BY_DEFAULT)
+        return window if on and first < self.num_hidden_layers else None
 
     @property
     def max_context(self) -> int:

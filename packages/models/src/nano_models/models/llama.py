@@ -1,4 +1,5 @@
-"""Llama 2 / 3 / 3.1 / 3.2 and Mistral-style configs (no sliding window)."""
+"""Llama 2 / 3 / 3.1 / 3.2 and Mistral-style configs (a sliding window up to its length:
+``ModelConfig.max_context``)."""
 
 from __future__ import annotations
 
