@@ -316,7 +316,12 @@ class DecodeLaunches:
     (``nano_kvcache.relaunch``). The splits' partial results go through one pair of buffers for
     all layers:
     a layer's merge is complete before the next layer's kernel writes them (stream order; under
-    programmatic dependent launch each kernel waits for the one before)."""
+    programmatic dependent launch each kernel waits for the one before).
+
+    ``num_warps``, ``num_stages``: the decode kernel's (for tile sweeps:
+    benchmarks/sweep_decode.py); ``max_registers``: a thread's at most, None for the measured
+    choice (128 over an FP8 cache at head_dim 128 with the default tile, else the compiler's),
+    0 for the compiler's."""
 
     def __init__(
         self,
@@ -326,9 +331,13 @@ class DecodeLaunches:
         num_splits: int | None = None,
         block_n: int = 64,
         fp16_dots: bool = True,
+        num_warps: int = 4,
+        num_stages: int = 2,
+        max_registers: int | None = None,
     ) -> None:
         self.block_tables, self.seq_lens, self.order = block_tables, seq_lens, order
         self.num_splits, self.block_n, self.fp16_dots = num_splits, block_n, fp16_dots
+        self.num_warps, self.num_stages, self.max_registers = num_warps, num_stages, max_registers
         self._key = None
 
     def __call__(
@@ -389,12 +398,14 @@ class DecodeLaunches:
         dependent = pdl(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
-        cap = _FP8_MAX_REGISTERS.get(block_d)
-        if cap and fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None:
+        cap = self.max_registers
+        if cap is None and (self.block_n, self.num_warps, self.num_stages) == (64, 4, 2):
+            cap = _FP8_MAX_REGISTERS.get(block_d) if fp8 and q.dtype != torch.float32 else None
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
             # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
             # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
             # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
+        if cap and q.is_cuda and torch.version.hip is None:
             options["maxnreg"] = cap
         if splits > 1:
             self._parts = (
@@ -429,7 +440,8 @@ class DecodeLaunches:
             LINES=_row_lines(head_dim * k_cache.element_size()),
             PDL=dependent,
         )
-        kwargs = {**constexprs, "num_warps": 4, "num_stages": 2, **options}
+        kwargs = {**constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        kwargs |= options
         self._decode = Relaunch(_decode_kernel, (batch * kv_heads * splits,), kwargs)
         self._merge = None
         if splits > 1:

@@ -1,0 +1,38 @@
+"""benchmarks/sweep_decode.py (the decode kernel's tile sweep) runs every variant and compares
+each to the default: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, as the
+kernels' other CPU runs; marked gpu with them), tiny shapes, GQA 3 and MHA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1"
+    ),
+]
+
+
+def test_the_sweep_runs_each_variant_against_the_default(tmp_path):
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "sweep_decode.py"), "--smoke"]
+    command += ["--cache", "fp8", "--rounds", "1", "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    variants = {r["variant"] for r in rows}
+    assert "16/64/4/2/auto" in variants and "1/64/4/2/auto" in variants and len(variants) == 6
+    assert {r["case"] for r in rows} == {"tiny gqa 3", "tiny mha"}
+    assert all(r["error"] <= 1e-2 for r in rows)
