@@ -8,8 +8,9 @@ of the cache's own bytes.
     TRITON_INTERPRET=1 python benchmarks/sweep_decode.py --smoke   (CPU: tiny shapes, outputs
                                                                   compared, nothing timed)
 
-Variants are ``rows/tokens/warps/stages/registers`` (registers "auto": the measured cap of
-``DecodeLaunches``; 0: the compiler's choice); ``--variants`` replaces the default list.
+Variants are ``rows/tokens/warps/stages/registers`` (rows "auto": the cache's default;
+registers "auto": the measured cap of ``DecodeLaunches``; 0: the compiler's choice);
+``--variants`` replaces the default list.
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ import torch
 from nano_kvcache.attention import decode
 
 BLOCK = 16
+DEFAULT_ROWS = (decode.GROUP_ROWS, decode.FP8_GROUP_ROWS)
 FP8 = torch.float8_e4m3fn
 CACHES = {"bf16": torch.bfloat16, "fp8": FP8}
 # A variant's output may differ from the default's by this much of the largest output (the
 # tiles sum in other orders; fp16/bf16 P)
 TOLERANCE = 1e-2
-# (rows, block_n, num_warps, num_stages, max_registers): the default first
+# (rows, block_n, num_warps, num_stages, max_registers): the default first (rows "auto": the
+# cache's default, decode.GROUP_ROWS or decode.FP8_GROUP_ROWS)
 VARIANTS = [
-    (16, 64, 4, 2, None),
+    (None, 64, 4, 2, None),
     (1, 64, 4, 2, None),
+    (16, 64, 4, 2, None),
     (1, 32, 8, 2, 0),
     (1, 128, 8, 2, 0),
     (1, 32, 4, 2, 0),
@@ -78,7 +82,7 @@ def inputs(lens: list[int], heads: int, kv_heads: int, head_dim: int, cache, dev
 def run(variant, q, k, v, tables, seq_lens, order):
     """A callable launching ``variant`` (the launch set up by a first call), and its output."""
     rows, block_n, warps, stages, registers = variant
-    decode.GROUP_ROWS = rows
+    decode.GROUP_ROWS, decode.FP8_GROUP_ROWS = DEFAULT_ROWS if rows is None else (rows, rows)
     launches = decode.DecodeLaunches(
         tables,
         seq_lens,
@@ -100,7 +104,6 @@ def run(variant, q, k, v, tables, seq_lens, order):
 
 def sweep(caches: list[str], variants: list, rounds: int, smoke: bool) -> list[dict]:
     device = "cpu" if smoke else "cuda"
-    default_rows = decode.GROUP_ROWS
     results = []
     try:
         for cache in caches:
@@ -134,7 +137,7 @@ def sweep(caches: list[str], variants: list, rounds: int, smoke: bool) -> list[d
                             flush=True,
                         )
     finally:
-        decode.GROUP_ROWS = default_rows
+        decode.GROUP_ROWS, decode.FP8_GROUP_ROWS = DEFAULT_ROWS
     return results
 
 
@@ -142,14 +145,21 @@ def variant_of(text: str) -> tuple:
     parts = text.split("/")
     if len(parts) != 5:
         raise argparse.ArgumentTypeError(f"rows/tokens/warps/stages/registers, got {text!r}")
-    *ints, registers = parts
-    return (*(int(x) for x in ints), None if registers == "auto" else int(registers))
+    try:
+        rows, *ints = (None if x == "auto" else int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"integers or auto, got {text!r}") from None
+    if None in ints[:-1]:
+        raise argparse.ArgumentTypeError(f"only rows and registers may be auto, got {text!r}")
+    return (rows, *ints)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", nargs="+", choices=sorted(CACHES), default=["fp8", "bf16"])
-    p.add_argument("--variants", nargs="+", type=variant_of, help="e.g. 16/64/4/2/auto 1/32/8/2/0")
+    p.add_argument(
+        "--variants", nargs="+", type=variant_of, help="e.g. auto/64/4/2/auto 1/32/8/2/0"
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, not timed")
     p.add_argument("--json")

@@ -1,6 +1,7 @@
 """benchmarks/sweep_decode.py (the decode kernel's tile sweep) runs every variant and compares
 each to the default: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, as the
-kernels' other CPU runs; marked gpu with them), tiny shapes, GQA 3 and MHA."""
+kernels' other CPU runs; marked gpu with them), tiny shapes, GQA 3 and MHA; a malformed
+variant is refused before anything runs (CPU)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,12 @@ pytest.importorskip("triton")
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1"
-    ),
-]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1"
+)
 def test_the_sweep_runs_each_variant_against_the_default(tmp_path):
     out = tmp_path / "sweep.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -33,6 +32,19 @@ def test_the_sweep_runs_each_variant_against_the_default(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     variants = {r["variant"] for r in rows}
-    assert "16/64/4/2/auto" in variants and "1/64/4/2/auto" in variants and len(variants) == 6
+    assert {"auto/64/4/2/auto", "16/64/4/2/auto", "1/64/4/2/auto"} <= variants
+    assert len(variants) == 7
     assert {r["case"] for r in rows} == {"tiny gqa 3", "tiny mha"}
     assert all(r["error"] <= 1e-2 for r in rows)
+
+
+def test_a_malformed_variant_is_refused_by_name():
+    command = [sys.executable, str(ROOT / "benchmarks" / "sweep_decode.py"), "--smoke"]
+    done = subprocess.run(
+        [*command, "--variants", "1/auto/4/2/0"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "only rows and registers may be auto" in done.stderr
+    done = subprocess.run(
+        [*command, "--variants", "1/64/4/2"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "rows/tokens/warps/stages/registers" in done.stderr

@@ -95,10 +95,11 @@ if not INTERPRET:
 @pytest.mark.parametrize("block_size,heads,kv_heads,head_dim,lens", DECODE_CASES)
 def test_paged_decode(dtype, block_size, heads, kv_heads, head_dim, lens, rows, monkeypatch):
     """Against the float64 reference, with each program's q tile padded to 16 rows or to its
-    kv head's query heads alone (``GROUP_ROWS``)."""
+    kv head's query heads alone (``GROUP_ROWS``, ``FP8_GROUP_ROWS``)."""
     from nano_kvcache.attention import decode, decode_splits, paged_decode
 
     monkeypatch.setattr(decode, "GROUP_ROWS", rows)
+    monkeypatch.setattr(decode, "FP8_GROUP_ROWS", rows)
 
     rng = random.Random(block_size + heads)
     g = torch.Generator(device=DEVICE).manual_seed(len(lens))
@@ -284,10 +285,11 @@ def test_paged_decode_over_an_fp8_cache(
 ):
     """Each value read as it is stored, times its scale: the float64 attention over the
     dequantized cache (the kernel computes in fp16 or q's dtype; its q tile padded to 16 rows
-    or not, ``GROUP_ROWS``)."""
+    or not, ``FP8_GROUP_ROWS``)."""
     from nano_kvcache.attention import decode, paged_decode
 
     monkeypatch.setattr(decode, "GROUP_ROWS", rows)
+    monkeypatch.setattr(decode, "FP8_GROUP_ROWS", rows)
 
     rng = random.Random(block_size)
     g = torch.Generator(device=DEVICE).manual_seed(7)

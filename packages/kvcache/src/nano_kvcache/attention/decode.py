@@ -36,10 +36,13 @@ DECODE_PROGRAMS = 1024
 # The rows of the q tile a program attends with, at least: its kv head's query heads, padded
 # to a power of two. Triton pads a dot's rows to the tensor cores' 16 itself (Triton >= 3.2);
 # a smaller tile holds fewer softmax values and a smaller accumulator. Compiled for sm_90a at
-# Qwen3-0.6B's heads (GQA 2): FP8 cache 1,176 -> 1,040 instructions (128 registers either
-# way), bf16 cache 872 -> 904 instructions but 128 -> 96 registers (five programs a
-# multiprocessor instead of four). 16 until timed on a GPU (see benchmarks/RESULTS.md).
+# Qwen3-0.6B's heads (GQA 2): FP8 cache 1,176 -> 1,040 instructions, bf16 cache 128 -> 96
+# registers. Timed on an H200 (benchmarks/sweep_decode.py; benchmarks/RESULTS.md, 2026-12-01),
+# the group's rows against 16: over an FP8 cache 5-9% faster at every batch of 16 to 256
+# (nano-vllm's benchmark 29.5k -> 30.8k output tok/s, Qwen3-8B's 11.2k -> 11.4k); over a bf16
+# cache mixed (-4% at 256 x 1k and 16 x 8k, +1% at 256 ragged and Qwen3-8B's heads), so 16.
 GROUP_ROWS = 16
+FP8_GROUP_ROWS = 1
 
 
 @triton.jit
@@ -424,10 +427,11 @@ class DecodeLaunches:
             out.stride(0),
             out.stride(1),
         )
+        rows = FP8_GROUP_ROWS if fp8 else GROUP_ROWS
         constexprs = dict(
             BLOCK_SIZE=block_size,
             GROUP=heads // kv_heads,
-            BLOCK_G=max(GROUP_ROWS, triton.next_power_of_2(heads // kv_heads)),
+            BLOCK_G=max(rows, triton.next_power_of_2(heads // kv_heads)),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_N=self.block_n,
