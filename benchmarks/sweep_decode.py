@@ -8,9 +8,9 @@ of the cache's own bytes.
     TRITON_INTERPRET=1 python benchmarks/sweep_decode.py --smoke   (CPU: tiny shapes, outputs
                                                                   compared, nothing timed)
 
-Variants are ``rows/tokens/warps/stages/registers`` (rows "auto": the cache's default;
-registers "auto": the measured cap of ``DecodeLaunches``; 0: the compiler's choice);
-``--variants`` replaces the default list.
+Variants are ``rows/tokens/warps/stages/registers`` (rows, stages "auto": the kernel's
+choice for the cache and the batch; registers "auto": the measured cap of ``DecodeLaunches``;
+0: the compiler's choice); ``--variants`` replaces the default list.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ CACHES = {"bf16": torch.bfloat16, "fp8": FP8}
 # A variant's output may differ from the default's by this much of the largest output (the
 # tiles sum in other orders; fp16/bf16 P)
 TOLERANCE = 1e-2
-# (rows, block_n, num_warps, num_stages, max_registers): the default first (rows "auto": the
-# cache's default, decode.GROUP_ROWS or decode.FP8_GROUP_ROWS)
+# (rows, block_n, num_warps, num_stages, max_registers): the default first (None: "auto", the
+# kernel's own choice for the cache and the batch)
 VARIANTS = [
-    (None, 64, 4, 2, None),
+    (None, 64, 4, None, None),
+    (1, 64, 4, 3, None),
     (1, 64, 4, 2, None),
     (16, 64, 4, 2, None),
     (1, 32, 8, 2, 0),
@@ -149,8 +150,10 @@ def variant_of(text: str) -> tuple:
         rows, *ints = (None if x == "auto" else int(x) for x in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"integers or auto, got {text!r}") from None
-    if None in ints[:-1]:
-        raise argparse.ArgumentTypeError(f"only rows and registers may be auto, got {text!r}")
+    if None in ints[:2]:
+        raise argparse.ArgumentTypeError(
+            f"only rows, stages and registers may be auto, got {text!r}"
+        )
     return (rows, *ints)
 
 
@@ -158,7 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", nargs="+", choices=sorted(CACHES), default=["fp8", "bf16"])
     p.add_argument(
-        "--variants", nargs="+", type=variant_of, help="e.g. auto/64/4/2/auto 1/32/8/2/0"
+        "--variants", nargs="+", type=variant_of, help="e.g. auto/64/4/auto/auto 1/32/8/2/0"
     )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, not timed")

@@ -32,8 +32,8 @@ def test_the_sweep_runs_each_variant_against_the_default(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     variants = {r["variant"] for r in rows}
-    assert {"auto/64/4/2/auto", "16/64/4/2/auto", "1/64/4/2/auto"} <= variants
-    assert len(variants) == 7
+    assert {"auto/64/4/auto/auto", "16/64/4/2/auto", "1/64/4/3/auto"} <= variants
+    assert len(variants) == 8
     assert {r["case"] for r in rows} == {"tiny gqa 3", "tiny mha"}
     assert all(r["error"] <= 1e-2 for r in rows)
 
@@ -43,7 +43,7 @@ def test_a_malformed_variant_is_refused_by_name():
     done = subprocess.run(
         [*command, "--variants", "1/auto/4/2/0"], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 2 and "only rows and registers may be auto" in done.stderr
+    assert done.returncode == 2 and "only rows, stages and registers may be auto" in done.stderr
     done = subprocess.run(
         [*command, "--variants", "1/64/4/2"], capture_output=True, text=True, timeout=120
     )

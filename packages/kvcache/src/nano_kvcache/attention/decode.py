@@ -43,6 +43,12 @@ DECODE_PROGRAMS = 1024
 # cache mixed (-4% at 256 x 1k and 16 x 8k, +1% at 256 ragged and Qwen3-8B's heads), so 16.
 GROUP_ROWS = 16
 FP8_GROUP_ROWS = 1
+# The decode kernel's pipeline stages over an FP8 cache when each program reads its sequence
+# whole (one split: many sequences); with splits, and over 16-bit caches, 2. Timed on an H200
+# (benchmarks/sweep_decode.py; benchmarks/RESULTS.md, 2026-12-01), 3 stages against 2: 256 x 1k
+# 187 -> 178 us, 256 x 100-2k 194 -> 184, Qwen3-8B's heads 256 x 640 120 -> 118 (one split);
+# 16 x 8k 108 -> 111, 32 x 1k 42.1 -> 43.0 (split); over a bf16 cache within 1% at 256.
+FP8_STAGES = 3
 
 
 @triton.jit
@@ -322,9 +328,10 @@ class DecodeLaunches:
     programmatic dependent launch each kernel waits for the one before).
 
     ``num_warps``, ``num_stages``: the decode kernel's (for tile sweeps:
-    benchmarks/sweep_decode.py); ``max_registers``: a thread's at most, None for the measured
-    choice (128 over an FP8 cache at head_dim 128 with the default tile, else the compiler's),
-    0 for the compiler's."""
+    benchmarks/sweep_decode.py; ``num_stages`` None: the measured choice, ``FP8_STAGES`` over an
+    FP8 cache read in one split, else 2); ``max_registers``: a thread's at most, None for the
+    measured choice (128 over an FP8 cache at head_dim 128 with the default tile, else the
+    compiler's), 0 for the compiler's."""
 
     def __init__(
         self,
@@ -335,7 +342,7 @@ class DecodeLaunches:
         block_n: int = 64,
         fp16_dots: bool = True,
         num_warps: int = 4,
-        num_stages: int = 2,
+        num_stages: int | None = None,
         max_registers: int | None = None,
     ) -> None:
         self.block_tables, self.seq_lens, self.order = block_tables, seq_lens, order
@@ -402,7 +409,10 @@ class DecodeLaunches:
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
         cap = self.max_registers
-        if cap is None and (self.block_n, self.num_warps, self.num_stages) == (64, 4, 2):
+        stages = self.num_stages
+        if stages is None:
+            stages = FP8_STAGES if fp8 and splits == 1 else 2
+        if cap is None and (self.block_n, self.num_warps) == (64, 4):
             cap = _FP8_MAX_REGISTERS.get(block_d) if fp8 and q.dtype != torch.float32 else None
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
             # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
@@ -444,7 +454,7 @@ class DecodeLaunches:
             LINES=_row_lines(head_dim * k_cache.element_size()),
             PDL=dependent,
         )
-        kwargs = {**constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        kwargs = {**constexprs, "num_warps": self.num_warps, "num_stages": stages}
         kwargs |= options
         self._decode = Relaunch(_decode_kernel, (batch * kv_heads * splits,), kwargs)
         self._merge = None
