@@ -57,7 +57,10 @@ def cases(smoke: bool) -> list[tuple[str, list[int], int, int, int]]:
         ("0.6B 16 x 8k", [8192] * 16, 16, 8, 128),
         ("0.6B 32 x 1k", [1024] * 32, 16, 8, 128),
         ("0.6B 1 x 640", [640], 16, 8, 128),
+        ("0.6B 1 x 4k", [4096], 16, 8, 128),
+        ("0.6B 4 x 2k", [2048] * 4, 16, 8, 128),
         ("8B 256 x 640", [640] * 256, 32, 8, 128),
+        ("30B-A3B 1 x 640", [640], 32, 4, 128),
     ]
 
 
@@ -142,6 +145,24 @@ def sweep(caches: list[str], variants: list, rounds: int, smoke: bool) -> list[d
     return results
 
 
+def best(results: list[dict]) -> list[str]:
+    """A line per (cache, case): the fastest variant (its best round) against the default's."""
+    lines = []
+    for key in dict.fromkeys((r["cache"], r["case"]) for r in results):
+        times: dict[str, float] = {}
+        for r in results:
+            if (r["cache"], r["case"]) == key:
+                times[r["variant"]] = min(times.get(r["variant"], float("inf")), r["us"])
+        default = next(iter(times))
+        fastest = min(times, key=times.get)
+        change = times[fastest] / times[default] - 1
+        lines.append(
+            f"{key[0]:>4} {key[1]:>18}: default {default} {times[default]:.1f} us, fastest "
+            f"{fastest} {times[fastest]:.1f} us ({change:+.1%})"
+        )
+    return lines
+
+
 def variant_of(text: str) -> tuple:
     parts = text.split("/")
     if len(parts) != 5:
@@ -170,6 +191,8 @@ def main() -> None:
     start = time.perf_counter()
     results = sweep(args.cache, args.variants or VARIANTS, args.rounds, args.smoke)
     print(f"{len(results)} runs in {time.perf_counter() - start:.0f} s")
+    if not args.smoke:
+        print("\n".join(best(results)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -48,3 +48,21 @@ def test_a_malformed_variant_is_refused_by_name():
         [*command, "--variants", "1/64/4/2"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "rows/tokens/warps/stages/registers" in done.stderr
+
+
+def test_the_summary_names_each_cases_fastest_variant_against_the_default():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sweep_decode
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [
+        {"cache": "fp8", "case": "a", "variant": "auto/64/4/auto/auto", "us": 10.0},
+        {"cache": "fp8", "case": "a", "variant": "1/64/4/3/auto", "us": 9.5},
+        {"cache": "fp8", "case": "a", "variant": "1/64/4/3/auto", "us": 8.0},  # (a 2nd round)
+        {"cache": "fp8", "case": "b", "variant": "auto/64/4/auto/auto", "us": 4.0},
+        {"cache": "fp8", "case": "b", "variant": "1/64/4/3/auto", "us": 5.0},
+    ]
+    a, b = sweep_decode.best(rows)
+    assert "fastest 1/64/4/3/auto 8.0 us (-20.0%)" in a
+    assert "default auto/64/4/auto/auto 4.0 us, fastest auto/64/4/auto/auto 4.0 us (+0.0%)" in b
