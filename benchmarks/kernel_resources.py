@@ -1,9 +1,10 @@
 """Registers, spills and shared memory of kernel variants compiled for Hopper (sm_90a) without a
 GPU: Triton lowers a kernel to PTX and its bundled ptxas reports what the GPU would run.
 Occupancy follows: a multiprocessor has 64k registers and 227 KiB of shared memory. The prefill
-kernel at Qwen3-0.6B's shape (16 query heads, 8 KV heads, head_dim 128, bf16); the block-FP8
-products as ``fp8_matmul.plan`` launches them for Qwen3-8B's layers, and the activations'
-rounding.
+kernel at Qwen3-0.6B's shape (16 query heads, 8 KV heads, head_dim 128, bf16); the decode
+kernel as ``DecodeLaunches`` sets it up for a batch (bf16 and FP8 caches, Qwen3-0.6B's and
+Qwen3-8B's heads, with the static count of its SASS instructions); the block-FP8 products as
+``fp8_matmul.plan`` launches them for Qwen3-8B's layers, and the activations' rounding.
 
     python benchmarks/kernel_resources.py
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+from unittest import mock
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -61,14 +64,17 @@ def resources(tile: tuple[int, int, int, int], cache: str, tma: bool, block_size
     return report(source, num_warps, num_stages)
 
 
-def report(source: ASTSource, num_warps: int, num_stages: int) -> dict:
-    """Shared memory (KiB), registers per thread and spilled bytes of a compiled source."""
-    kernel = triton.compile(
-        source,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
+def report(
+    source: ASTSource, num_warps: int, num_stages: int, max_registers: int | None = None
+) -> dict:
+    """Shared memory (KiB), registers per thread, spilled bytes and SASS instructions (static
+    count) of a compiled source."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = triton.knobs.nvidia.ptxas.path
+    nvdisasm = ptxas.rsplit("/", 1)[0] + "/nvdisasm"
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/kernel.ptx", "w") as f:
             f.write(kernel.asm["ptx"])
@@ -78,10 +84,14 @@ def report(source: ASTSource, num_warps: int, num_stages: int) -> dict:
             text=True,
             check=True,
         ).stderr
+        sass = subprocess.run(
+            [nvdisasm, "-c", f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True
+        ).stdout
     return {
         "shared_kib": kernel.metadata.shared // 1024,
         "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
         "spilled_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s", sass, re.MULTILINE)),
     }
 
 
@@ -97,6 +107,58 @@ def aligned(kernel, types: dict, constants: dict) -> ASTSource:
         if name not in constants and name != "M"
     }
     return ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
+
+
+def decode_resources(cache: str, batch: int, heads: int = 16, kv_heads: int = 8) -> dict:
+    """The decode kernel as ``DecodeLaunches`` sets it up for ``batch`` sequences on an H200
+    (programmatic dependent launch on, its register cap), with bf16 queries, head_dim 128 and
+    16-token blocks; ``cache``: "bf16" or "fp8". Its settings are returned with the report."""
+    from nano_kvcache.attention import decode
+
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[cache]
+    q = torch.empty(batch, heads, 128, dtype=torch.bfloat16)
+    k_cache = torch.empty(4, kv_heads, 16, 128, dtype=dtype)
+    lens = torch.ones(batch, dtype=torch.int32)
+    launches = decode.DecodeLaunches(torch.zeros(batch, 1, dtype=torch.int32), lens, lens)
+    with mock.patch.object(decode, "pdl", lambda _: True):  # (as on an H200)
+        launches._setup(q, k_cache, q)
+    launch = launches._decode.kwargs
+    names = decode._decode_kernel.arg_names
+    constants = {n: launch[n] for n in names if n in launch}
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_ml": "*fp32", "part_acc": "*fp32"}
+    pointers |= dict.fromkeys(["k_cache", "v_cache"], "*fp8e4nv" if cache == "fp8" else "*bf16")
+    pointers |= dict.fromkeys(["block_tables", "seq_lens", "order"], "*i32")
+    types = pointers | {"scale_log2": "fp32", "v_scale": "fp32"}
+    signature = {n: types.get(n, "i32") for n in names} | dict.fromkeys(constants, "constexpr")
+    # (as a launch specializes it: the tensors 16-byte aligned and their strides multiples of
+    # 16, but the metadata's, exempt by metadata_jit)
+    exempt = {"block_tables", "seq_lens", "order", "stride_bt", "scale_log2", "v_scale"}
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]]
+        for n in names
+        if n not in constants and n not in exempt
+    }
+    source = ASTSource(decode._decode_kernel, signature, constexprs=constants, attrs=attrs)
+    cap = launches.registers(cache == "fp8", constants["BLOCK_D"])
+    r = report(source, launch["num_warps"], launch["num_stages"], cap)
+    settings = {"BLOCK_G": constants["BLOCK_G"], "BLOCK_N": constants["BLOCK_N"]}
+    settings |= {"splits": constants["NUM_SPLITS"], "warps": launch["num_warps"]}
+    settings |= {"stages": launch["num_stages"], "max_registers": cap}
+    return r | {"settings": settings}
+
+
+def decode_kernels() -> None:
+    print(f"\n{'decode':>22} {'settings':>78} {'KiB':>4} {'regs':>5} {'spill':>6} {'instr':>6}")
+    for cache in ("bf16", "fp8"):
+        for model, heads in (("0.6B", 16), ("8B", 32)):
+            for batch in (1, 32, 256):
+                r = decode_resources(cache, batch, heads)
+                label = f"{cache} {model} x {batch}"
+                print(
+                    f"{label:>22} {r['settings']!s:>78} {r['shared_kib']:4} {r['registers']:5}"
+                    f" {r['spilled_bytes']:6} {r['instructions']:6}",
+                    flush=True,
+                )
 
 
 def fp8_products() -> None:
@@ -156,6 +218,7 @@ def main() -> None:
                 f"{r['spilled_bytes']:10}",
                 flush=True,
             )
+    decode_kernels()
     fp8_products()
 
 

@@ -388,6 +388,19 @@ class DecodeLaunches:
             self._merge(part_ml, part_acc, out, out.stride(0), out.stride(1), q.shape[1])
         return out
 
+    def registers(self, fp8_tiles: bool, block_d: int) -> int | None:
+        """A thread's registers at most in the decode kernel (None: the compiler's choice);
+        ``fp8_tiles``: over an FP8 cache, computing in 16 bits."""
+        if self.max_registers is not None:
+            return self.max_registers or None
+        if fp8_tiles and (self.block_n, self.num_warps) == (64, 4):
+            # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
+            # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
+            # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
+            # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
+            return _FP8_MAX_REGISTERS.get(block_d)
+        return None
+
     def _setup(self, q, k_cache, out) -> bool:
         """Check a layer's tensors and work out its launch; False where there is no
         sequence."""
@@ -408,16 +421,10 @@ class DecodeLaunches:
         dependent = pdl(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
-        cap = self.max_registers
         stages = self.num_stages
         if stages is None:
             stages = FP8_STAGES if fp8 and splits == 1 else 2
-        if cap is None and (self.block_n, self.num_warps) == (64, 4):
-            cap = _FP8_MAX_REGISTERS.get(block_d) if fp8 and q.dtype != torch.float32 else None
-            # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
-            # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
-            # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
-            # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
+        cap = self.registers(fp8 and q.dtype != torch.float32, block_d)
         if cap and q.is_cuda and torch.version.hip is None:
             options["maxnreg"] = cap
         if splits > 1:
