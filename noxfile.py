@@ -188,7 +188,8 @@ def gpu(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """CPU benchmarks: block manager bookkeeping, scheduler steps, the simulator on a trace;
-    the prefill kernel's registers and shared memory, compiled for Hopper here."""
+    the prefill and decode kernels' and FP8 products' registers and shared memory, compiled for
+    Hopper here."""
     install_packages(session, cuda=False)
     session.install("triton==3.6.0")  # the GPU machine's (scripts/gpu_check.sh runs there)
     session.run("python", "benchmarks/bench_block_manager.py")

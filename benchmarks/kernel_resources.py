@@ -74,7 +74,7 @@ def report(
         options["maxnreg"] = max_registers
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = triton.knobs.nvidia.ptxas.path
-    nvdisasm = ptxas.rsplit("/", 1)[0] + "/nvdisasm"
+    nvdisasm = triton.knobs.nvidia.nvdisasm.path
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/kernel.ptx", "w") as f:
             f.write(kernel.asm["ptx"])
@@ -120,7 +120,8 @@ def decode_resources(cache: str, batch: int, heads: int = 16, kv_heads: int = 8)
     k_cache = torch.empty(4, kv_heads, 16, 128, dtype=dtype)
     lens = torch.ones(batch, dtype=torch.int32)
     launches = decode.DecodeLaunches(torch.zeros(batch, 1, dtype=torch.int32), lens, lens)
-    with mock.patch.object(decode, "pdl", lambda _: True):  # (as on an H200)
+    on_cuda = mock.patch.object(torch.Tensor, "is_cuda", property(lambda _: True))
+    with on_cuda, mock.patch.object(decode, "pdl", lambda _: True):  # (as on an H200)
         launches._setup(q, k_cache, q)
     launch = launches._decode.kwargs
     names = decode._decode_kernel.arg_names
@@ -139,7 +140,7 @@ def decode_resources(cache: str, batch: int, heads: int = 16, kv_heads: int = 8)
         if n not in constants and n not in exempt
     }
     source = ASTSource(decode._decode_kernel, signature, constexprs=constants, attrs=attrs)
-    cap = launches.registers(cache == "fp8", constants["BLOCK_D"])
+    cap = launch.get("maxnreg")
     r = report(source, launch["num_warps"], launch["num_stages"], cap)
     settings = {"BLOCK_G": constants["BLOCK_G"], "BLOCK_N": constants["BLOCK_N"]}
     settings |= {"splits": constants["NUM_SPLITS"], "warps": launch["num_warps"]}

@@ -175,6 +175,12 @@ def variant_of(text: str) -> tuple:
         raise argparse.ArgumentTypeError(
             f"only rows, stages and registers may be auto, got {text!r}"
         )
+    tokens, warps, stages, registers = ints
+    powers = [x for x in (rows, tokens, warps) if x is not None]
+    if any(x < 1 or x & (x - 1) for x in powers):
+        raise argparse.ArgumentTypeError(f"rows, tokens and warps are powers of two: {text!r}")
+    if (stages is not None and stages < 1) or (registers is not None and registers < 0):
+        raise argparse.ArgumentTypeError(f"stages >= 1 and registers >= 0, got {text!r}")
     return (rows, *ints)
 
 

@@ -1,10 +1,12 @@
 """benchmarks/sweep_decode.py (the decode kernel's tile sweep) runs every variant and compares
 each to the default: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, as the
 kernels' other CPU runs; marked gpu with them), tiny shapes, GQA 3 and MHA; a malformed
-variant is refused before anything runs (CPU)."""
+variant is refused before anything runs, and the closing summary names each case's fastest
+variant (CPU)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -48,14 +50,21 @@ def test_a_malformed_variant_is_refused_by_name():
         [*command, "--variants", "1/64/4/2"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "rows/tokens/warps/stages/registers" in done.stderr
+    for bad, why in [
+        ("3/64/4/2/0", "powers of two"),
+        ("1/64/4/0/0", "stages >= 1"),
+        ("1/64/4/2/-1", "registers >= 0"),
+        ("1/64/x/2/0", "integers or auto"),
+    ]:
+        done = subprocess.run(
+            [*command, "--variants", bad], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and why in done.stderr, (bad, done.stderr[-500:])
 
 
-def test_the_summary_names_each_cases_fastest_variant_against_the_default():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import sweep_decode
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def test_the_summary_names_each_cases_fastest_variant_against_the_default(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sweep_decode = importlib.import_module("sweep_decode")
     rows = [
         {"cache": "fp8", "case": "a", "variant": "auto/64/4/auto/auto", "us": 10.0},
         {"cache": "fp8", "case": "a", "variant": "1/64/4/3/auto", "us": 9.5},

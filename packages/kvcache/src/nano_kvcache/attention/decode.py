@@ -38,7 +38,7 @@ DECODE_PROGRAMS = 1024
 # a smaller tile holds fewer softmax values and a smaller accumulator. Compiled for sm_90a at
 # Qwen3-0.6B's heads (GQA 2): FP8 cache 1,176 -> 1,040 instructions, bf16 cache 128 -> 96
 # registers. Timed on an H200 (benchmarks/sweep_decode.py; benchmarks/RESULTS.md, 2026-12-01),
-# the group's rows against 16: over an FP8 cache 5-9% faster at every batch of 16 to 256
+# the group's rows against 16: over an FP8 cache 3-8% faster at every batch of 1 to 256
 # (nano-vllm's benchmark 29.5k -> 30.8k output tok/s, Qwen3-8B's 11.2k -> 11.4k); over a bf16
 # cache mixed (-4% at 256 x 1k and 16 x 8k, +1% at 256 ragged and Qwen3-8B's heads), so 16.
 GROUP_ROWS = 16
@@ -328,10 +328,10 @@ class DecodeLaunches:
     programmatic dependent launch each kernel waits for the one before).
 
     ``num_warps``, ``num_stages``: the decode kernel's (for tile sweeps:
-    benchmarks/sweep_decode.py; ``num_stages`` None: the measured choice, ``FP8_STAGES`` over an
-    FP8 cache read in one split, else 2); ``max_registers``: a thread's at most, None for the
-    measured choice (128 over an FP8 cache at head_dim 128 with the default tile, else the
-    compiler's), 0 for the compiler's."""
+    benchmarks/sweep_decode.py; ``num_stages`` None: the measured choice, ``stages``);
+    ``max_registers``: a thread's at most, None for the measured choice (``registers``: 128
+    over an FP8 cache at head_dim 128 with 64-token tiles and 4 warps, else the compiler's), 0
+    for the compiler's."""
 
     def __init__(
         self,
@@ -393,13 +393,27 @@ class DecodeLaunches:
         ``fp8_tiles``: over an FP8 cache, computing in 16 bits."""
         if self.max_registers is not None:
             return self.max_registers or None
-        if fp8_tiles and (self.block_n, self.num_warps) == (64, 4):
+        if fp8_tiles and self._measured_tile():
             # An FP8 tile's conversion takes registers the bf16 kernel does not need (168 a
-            # thread at head_dim 128: 3 programs a multiprocessor); capped at 128, 4 fit, with
-            # no spill, and each multiprocessor keeps more of the cache in flight: 1.16-1.21x on
-            # an H200 at 16-256 sequences, the same at one (benchmarks/RESULTS.md).
+            # thread at head_dim 128 with 16-row q tiles: 3 programs a multiprocessor); capped
+            # at 128, 4 fit and each multiprocessor keeps more of the cache in flight:
+            # 1.16-1.21x on an H200 at 16-256 sequences, the same at one. With the group's own
+            # rows nothing spills in one split, 8 bytes with splits at GQA 2 (still the faster
+            # tile there; benchmarks/RESULTS.md, 2026-12-01).
             return _FP8_MAX_REGISTERS.get(block_d)
         return None
+
+    def stages(self, fp8: bool, splits: int) -> int:
+        """The decode kernel's pipeline stages: ``num_stages``, else ``FP8_STAGES`` over an
+        FP8 cache read in one split with the measured tile (on CUDA), else 2."""
+        if self.num_stages is not None:
+            return self.num_stages
+        measured = fp8 and splits == 1 and self._measured_tile() and torch.version.hip is None
+        return FP8_STAGES if measured else 2
+
+    def _measured_tile(self) -> bool:
+        """The tile the register cap and the stages were measured with."""
+        return (self.block_n, self.num_warps) == (64, 4)
 
     def _setup(self, q, k_cache, out) -> bool:
         """Check a layer's tensors and work out its launch; False where there is no
@@ -421,9 +435,7 @@ class DecodeLaunches:
         dependent = pdl(q)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         options = launch_options(dependent)
-        stages = self.num_stages
-        if stages is None:
-            stages = FP8_STAGES if fp8 and splits == 1 else 2
+        stages = self.stages(fp8, splits)
         cap = self.registers(fp8 and q.dtype != torch.float32, block_d)
         if cap and q.is_cuda and torch.version.hip is None:
             options["maxnreg"] = cap
