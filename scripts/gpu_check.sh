@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh serve [bench_serving.py arguments]   (the serving benchmark; first run
 #   scripts/fetch_server_wheels.sh here and carry .whl/; the trace: benchmarks/traces; the
 #   server's own extra flags in $SERVE_ARGS, e.g. "-dp 2 --data-parallel-backend mp")
+#   scripts/gpu_check.sh sweep [sweep_decode.py arguments]   (the decode kernel's tiles, each
+#   variant checked against the default's; a line per case with its fastest variant last)
 #   scripts/gpu_check.sh install   (only the install, before one's own commands)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +59,11 @@ if [[ ,$WHAT, == *,bench,* || $WHAT == all ]]; then
   done
 fi
 
+if [[ ,$WHAT, == *,sweep,* ]]; then
+  echo "== decode tile sweep"
+  $PY benchmarks/sweep_decode.py --json "$OUT/sweep_decode.json" "$@" | tee "$OUT/sweep_decode.log"
+fi
+
 if [[ ,$WHAT, == *,serve,* ]]; then
   # The serving benchmark (its dependencies: .whl/, installed above); the trace is $TRACE.
   TRACE=${TRACE:-benchmarks/traces/azure_llm_2023_conv.csv}
@@ -81,5 +88,6 @@ echo "== summary"
 [[ -f $OUT/gpu_tests.log ]] && echo "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 [[ -f $OUT/bench_kernels.log ]] && cat "$OUT/bench_kernels.log"
 for f in "$OUT"/engine_*.log; do [[ -f $f ]] && echo "$(basename "$f" .log): $(head -n 2 "$f")"; done
+[[ -f $OUT/sweep_decode.log ]] && { grep "fastest" "$OUT/sweep_decode.log" || true; }
 [[ -f $OUT/serving.log ]] && cat "$OUT/serving.log" && grep "generation" "$OUT/server.log" | cut -c 12-
 exit "$tests_rc"
