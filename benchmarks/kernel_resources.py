@@ -95,16 +95,17 @@ def report(
     }
 
 
-def aligned(kernel, types: dict, constants: dict) -> ASTSource:
+def aligned(kernel, types: dict, constants: dict, exempt: tuple = ("M",)) -> ASTSource:
     """``kernel`` as a launch specializes it: pointers 16-byte aligned, integer arguments
-    multiples of 16 except M (without it, Triton neither vectorizes nor pipelines loads)."""
+    multiples of 16 except M (without it, Triton neither vectorizes nor pipelines loads), and
+    none of the ``exempt`` arguments (floats, what the kernel does not specialize on)."""
     names = kernel.arg_names
     signature = {name: types.get(name, "i32") for name in names}
     signature |= dict.fromkeys(constants, "constexpr")
     attrs = {
         (names.index(name),): [["tt.divisibility", 16]]
         for name in names
-        if name not in constants and name != "M"
+        if name not in constants and name not in exempt
     }
     return ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
 
@@ -130,16 +131,9 @@ def decode_resources(cache: str, batch: int, heads: int = 16, kv_heads: int = 8)
     pointers |= dict.fromkeys(["k_cache", "v_cache"], "*fp8e4nv" if cache == "fp8" else "*bf16")
     pointers |= dict.fromkeys(["block_tables", "seq_lens", "order"], "*i32")
     types = pointers | {"scale_log2": "fp32", "v_scale": "fp32"}
-    signature = {n: types.get(n, "i32") for n in names} | dict.fromkeys(constants, "constexpr")
-    # (as a launch specializes it: the tensors 16-byte aligned and their strides multiples of
-    # 16, but the metadata's, exempt by metadata_jit)
-    exempt = {"block_tables", "seq_lens", "order", "stride_bt", "scale_log2", "v_scale"}
-    attrs = {
-        (names.index(n),): [["tt.divisibility", 16]]
-        for n in names
-        if n not in constants and n not in exempt
-    }
-    source = ASTSource(decode._decode_kernel, signature, constexprs=constants, attrs=attrs)
+    # (the step's metadata are exempt from specialization by metadata_jit)
+    exempt = ("block_tables", "seq_lens", "order", "stride_bt", "scale_log2", "v_scale")
+    source = aligned(decode._decode_kernel, types, constants, exempt)
     cap = launch.get("maxnreg")
     r = report(source, launch["num_warps"], launch["num_stages"], cap)
     settings = {"BLOCK_G": constants["BLOCK_G"], "BLOCK_N": constants["BLOCK_N"]}
