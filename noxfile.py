@@ -62,7 +62,8 @@ def tests(session: nox.Session) -> None:
     # (the kernels' sources checked against Triton's compiler rules: tests/test_triton_globals.py)
     session.install(*CONSTRAINTS, "triton==3.6.0")
     test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
-    session.run("pytest", "-m", "not gpu", *test_dirs, *session.posargs)
+    # (the slowest tests named at the end: CI's time is a budget)
+    session.run("pytest", "-m", "not gpu", "--durations=30", *test_dirs, *session.posargs)
 
 
 @nox.session
