@@ -23,7 +23,21 @@ PACKAGES = [
     p.name for p in sorted((ROOT / "packages").iterdir()) if (p / "pyproject.toml").is_file()
 ]
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))  # pins the CPU build of torch
-TEST_REQUIREMENTS = ("pytest", "hypothesis", "packaging", "openai", "httpx", "jsonschema")
+TEST_REQUIREMENTS = (
+    "pytest",
+    "pytest-xdist",
+    "hypothesis",
+    "packaging",
+    "openai",
+    "httpx",
+    "jsonschema",
+)
+# pytest over both of CI's cores, a test file to a worker (each file's module fixtures, the
+# servers they start, made once)
+PARALLEL = ("-n", "2", "--dist", "loadfile")
+# (no .pyc written for every module of torch, ray and triton when installed: what is imported
+# is compiled when imported; pip's compile step was ~30 s of each torch install)
+NO_COMPILE = "--no-compile"
 # nano-engine[structured], without triton (xgrammar needs it only for CUDA logits)
 STRUCTURED_REQUIREMENTS = ("xgrammar", "apache-tvm-ffi")
 # nano-engine[ray]: data-parallel replicas as Ray actors
@@ -49,7 +63,9 @@ def install_packages(session: nox.Session, *, cuda: bool) -> None:
     # Extras are named apart: pip does not match a local path given with extras against a
     # sibling's plain pin. torch: nano-kvcache[torch]; matplotlib: nano-scheduler[plot].
     targets = [str(ROOT / "packages" / name) for name in PACKAGES]
-    session.install(*CONSTRAINTS, *args, *targets, "torch", "matplotlib", *SERVE_REQUIREMENTS)
+    session.install(
+        NO_COMPILE, *CONSTRAINTS, *args, *targets, "torch", "matplotlib", *SERVE_REQUIREMENTS
+    )
 
 
 @nox.session
@@ -57,13 +73,15 @@ def tests(session: nox.Session) -> None:
     """Run every CPU test against freshly installed packages."""
     session.install(*CONSTRAINTS, *TEST_REQUIREMENTS)
     install_packages(session, cuda=False)
-    session.install(*CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
-    session.install(*CONSTRAINTS, *RAY_REQUIREMENTS)
+    session.install(NO_COMPILE, *CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
+    session.install(NO_COMPILE, *CONSTRAINTS, *RAY_REQUIREMENTS)
     # (the kernels' sources checked against Triton's compiler rules: tests/test_triton_globals.py)
-    session.install(*CONSTRAINTS, "triton==3.6.0")
+    session.install(NO_COMPILE, *CONSTRAINTS, "triton==3.6.0")
     test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
     # (the slowest tests named at the end: CI's time is a budget)
-    session.run("pytest", "-m", "not gpu", "--durations=30", *test_dirs, *session.posargs)
+    session.run(
+        "pytest", *PARALLEL, "-m", "not gpu", "--durations=30", *test_dirs, *session.posargs
+    )
 
 
 @nox.session
@@ -109,7 +127,8 @@ def build(session: nox.Session) -> None:
         path = tmp / f"venv-{name}"
         session.run("python", "-m", "venv", "--clear", str(path))
         pip = str(path / "bin/pip")
-        session.run(pip, "install", "-q", *CONSTRAINTS, *links, package, *extra, external=True)
+        install = (pip, "install", "-q", NO_COMPILE, *CONSTRAINTS, *links, package, *extra)
+        session.run(*install, external=True)
         return path / "bin/python"
 
     def run(python: Path, code: str) -> None:
@@ -124,7 +143,7 @@ def build(session: nox.Session) -> None:
     run(python, "import nano_scheduler, nano_kvcache")
     run(python, without.format(["torch", "nano_models", "nano_engine"]))
     tests = ["packages/kvcache/tests", "packages/scheduler/tests", "tests/test_no_torch.py"]
-    session.run(str(python), "-m", "pytest", "-q", *tests, external=True)
+    session.run(str(python), "-m", "pytest", "-q", *PARALLEL, *tests, external=True)
     # The models without the engine, then the engine, which brings the rest.
     python = venv("models", "nano-models")
     run(python, "import nano_models, nano_kvcache.ops")
