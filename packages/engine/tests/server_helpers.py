@@ -28,25 +28,36 @@ def vllm_metric(name: str, model: str, engine: str = "0", **labels: str) -> str:
     return f"vllm:{name}{{{items}}}"
 
 
+# The command line in a process where torch cannot be imported (as if it were absent); the
+# processes it starts import as usual.
+WITHOUT_TORCH = """
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTorch())
+from nano_engine.cli import main
+sys.exit(main())
+"""
+
+
 class ServerProcess:
-    def __init__(self, model: str, *args: str, open_files: int | None = None) -> None:
-        """``open_files``: the server's soft limit on open files at start."""
+    def __init__(
+        self, model: str, *args: str, open_files: int | None = None, without_torch: bool = False
+    ) -> None:
+        """``open_files``: the server's soft limit on open files at start; ``without_torch``:
+        the server's own process cannot import torch."""
         self.port = free_port()
         self.model = model
         self.url = f"http://127.0.0.1:{self.port}"
         # A file, not a pipe: a full pipe would block the server.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in stop)
+        command = ["-c", WITHOUT_TORCH] if without_torch else ["-m", "nano_engine.cli"]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "nano_engine.cli",
-                "serve",
-                model,
-                "--port",
-                str(self.port),
-                *args,
-            ],
+            [sys.executable, *command, "serve", model, "--port", str(self.port), *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,

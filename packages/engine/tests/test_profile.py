@@ -161,12 +161,12 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         "48",
         "--load-rate",
         "4",
-        "--saturated-rate",
-        "40",
         "--what-if-rate",
         "4",
+        # (two of the three: a scenario is two servers, ~35 s of CI's CPU; the saturated one
+        # differs from the load only in its rate, whose choice is tested below)
         "--scenarios",
-        "load,saturated,what-if",
+        "load,what-if",
         "--what-if",
         "--max-num-seqs 4 --max-num-batched-tokens 128",
         "--processes",
@@ -179,7 +179,7 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "fidelity.json").read_text())
-    assert [r["scenario"] for r in results] == ["load", "saturated", "what-if"]
+    assert [r["scenario"] for r in results] == ["load", "what-if"]
     for result in results:
         name = result["scenario"]
         rows = {row["metric"]: row for row in result["rows"]}

@@ -211,6 +211,31 @@ def test_access_log_has_a_line_per_request(checkpoints):
         assert srv.stop() == 0
 
 
+def test_the_front_serves_token_ids_without_torch():
+    """The server's own process (HTTP, validation, the engine's process started and spoken to)
+    needs no torch to serve a model without a tokenizer: started where torch cannot be
+    imported, it serves token ids through the official client, streamed and not, and exits 0.
+    (With a tokenizer, transformers imports torch.)"""
+    tiny = Path(__file__).resolve().parents[3] / "benchmarks" / "configs" / "tiny-qwen3.json"
+    options = ("--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "256")
+    srv = ServerProcess(str(tiny), *options, "--served-model-name", "tiny", without_torch=True)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(
+            model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+        stream = client.completions.create(
+            model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.usage.completion_tokens for c in stream if c.usage] == [5]
+    finally:
+        out = srv.output()
+        assert srv.stop() == 0, out
+
+
 def test_a_taken_port_is_a_one_line_error(checkpoints):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -26,7 +26,6 @@ from nano_kvcache import ops
 from nano_kvcache.layout import KVCacheLayout
 from nano_models import ForwardContext, ModelConfig, TensorParallel, get_attention_backend
 from nano_models.compile import compile_layers
-from nano_models.config import DTYPES
 from nano_models.context import longest_first
 from nano_models.layers.attention import choose_attention_backend
 from nano_models.loader import load_model
@@ -123,7 +122,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return DTYPES[name]
+        return getattr(torch, name)  # (EngineConfig checked it: float32, float16 or bfloat16)
     # Half precision matmuls are slow or missing on many CPUs: float32 there.
     return model_config.dtype if device.type == "cuda" else torch.float32
 

@@ -3,7 +3,8 @@ tokenizer's vocabulary (on the caller's thread, once per distinct constraint: xg
 them), a matcher per sequence that follows its sampled tokens, and for each step the bitmask of
 the tokens each constrained row may take, filled on the host and applied to the logits before
 sampling. xgrammar is an optional dependency (``nano-engine[structured]``), imported when the
-first constrained request comes."""
+first constrained request comes; torch when the first bitmask is made (the server's front
+compiles grammars and needs no torch)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from nano_scheduler import StructuredOutputsParams
 
@@ -213,6 +216,8 @@ class TokenMasks:
         return work
 
     def _buffer(self, rows: int) -> torch.Tensor:
+        import torch
+
         words = -(-self.vocab_size // 32)
         if self._host is None or self._host.shape[0] < rows:
             pin = self.device.type == "cuda"
@@ -235,6 +240,8 @@ class TokenMasks:
 
 def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:
     """Set the float32 logits [S, V] of the tokens the bitmask forbids to -inf, in place."""
+    import torch
+
     bitmask, rows = masks
     # (xgrammar's ``indices`` index the bitmask by logits row too; ours holds the rows only)
     apply = _xgrammar().apply_token_bitmask_inplace

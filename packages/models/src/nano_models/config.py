@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the weights' dtypes a config.json may name (torch's names; torch is imported when a model is
+# made, not when its config is read: the server's front reads configs and needs no torch)
+DTYPES = ("float32", "float16", "bfloat16")
 # Architectures whose configs leave sliding-window attention off unless use_sliding_window says
 # so (transformers' defaults; Mistral's has no such switch: its window is on when it is set).
 _WINDOW_OFF_BY_DEFAULT = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -34,7 +38,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    dtype: torch.dtype = torch.bfloat16
+    dtype_name: str = "bfloat16"  # (one of DTYPES)
     eos_token_ids: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -82,10 +86,17 @@ class ModelConfig:
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             hidden_act=config.get("hidden_act", "silu"),
-            dtype=DTYPES[dtype_name],
+            dtype_name=dtype_name,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             raw=config,
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, as config.json names it."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def sliding_window(self) -> int | None:

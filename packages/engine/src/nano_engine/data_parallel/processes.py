@@ -215,8 +215,13 @@ class ProcessReplica(ReplicaHandle):
 
 class ProcessBackend(Backend):
     def start(self, config: EngineConfig) -> list[ReplicaHandle]:
-        n, device = config.data_parallel_size, _device(config.device)
-        gpus = _gpu_slices(n, config.tensor_parallel_size) if device == "cuda" else [None] * n
+        n = config.data_parallel_size
+        if n == 1:  # (the engine picks its device and sees the GPUs as this process does; the
+            # server's front, which starts it, imports no torch)
+            device, gpus = config.device, [None]
+        else:
+            device = _device(config.device)
+            gpus = _gpu_slices(n, config.tensor_parallel_size) if device == "cuda" else [None] * n
         context = mp.get_context("spawn")
         replica_config = config.replace(data_parallel_size=1, device=device)
         level = logging.getLogger("nano_engine").getEffectiveLevel()  # (-v reaches them too)
