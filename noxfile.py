@@ -35,8 +35,9 @@ TEST_REQUIREMENTS = (
 # pytest over both of CI's cores, a test file to a worker (each file's module fixtures, the
 # servers they start, made once)
 PARALLEL = ("-n", "2", "--dist", "loadfile")
-# (no .pyc written for every module of torch, ray and triton when installed: what is imported
-# is compiled when imported; pip's compile step was ~30 s of each torch install)
+# The build's venvs import torch a few times each: not worth pip's byte-compilation of all of
+# it (~30 s an install). The tests' venv keeps it: with PYTHONDONTWRITEBYTECODE set (as on CI's
+# machines) every process that imports torch would compile it again (tests ~1.4x slower).
 NO_COMPILE = "--no-compile"
 # nano-engine[structured], without triton (xgrammar needs it only for CUDA logits)
 STRUCTURED_REQUIREMENTS = ("xgrammar", "apache-tvm-ffi")
@@ -63,9 +64,7 @@ def install_packages(session: nox.Session, *, cuda: bool) -> None:
     # Extras are named apart: pip does not match a local path given with extras against a
     # sibling's plain pin. torch: nano-kvcache[torch]; matplotlib: nano-scheduler[plot].
     targets = [str(ROOT / "packages" / name) for name in PACKAGES]
-    session.install(
-        NO_COMPILE, *CONSTRAINTS, *args, *targets, "torch", "matplotlib", *SERVE_REQUIREMENTS
-    )
+    session.install(*CONSTRAINTS, *args, *targets, "torch", "matplotlib", *SERVE_REQUIREMENTS)
 
 
 @nox.session
@@ -73,10 +72,10 @@ def tests(session: nox.Session) -> None:
     """Run every CPU test against freshly installed packages."""
     session.install(*CONSTRAINTS, *TEST_REQUIREMENTS)
     install_packages(session, cuda=False)
-    session.install(NO_COMPILE, *CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
-    session.install(NO_COMPILE, *CONSTRAINTS, *RAY_REQUIREMENTS)
+    session.install(*CONSTRAINTS, "--no-deps", *STRUCTURED_REQUIREMENTS)
+    session.install(*CONSTRAINTS, *RAY_REQUIREMENTS)
     # (the kernels' sources checked against Triton's compiler rules: tests/test_triton_globals.py)
-    session.install(NO_COMPILE, *CONSTRAINTS, "triton==3.6.0")
+    session.install(*CONSTRAINTS, "triton==3.6.0")
     test_dirs = [f"packages/{name}/tests" for name in PACKAGES] + ["tests"]
     # (the slowest tests named at the end: CI's time is a budget)
     session.run(
@@ -134,6 +133,9 @@ def build(session: nox.Session) -> None:
     def run(python: Path, code: str) -> None:
         session.run(str(python), "-c", code, external=True)
 
+    # (every public name: nano_engine's and nano_models' are imported when first used)
+    public = "import {0}; [getattr({0}, name) for name in {0}.__all__]"
+
     without = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in {}))"
     # The control plane alone, without torch: its tests run (the torch ones skip).
     python = venv("kvcache", "nano-kvcache")
@@ -146,11 +148,11 @@ def build(session: nox.Session) -> None:
     session.run(str(python), "-m", "pytest", "-q", *PARALLEL, *tests, external=True)
     # The models without the engine, then the engine, which brings the rest.
     python = venv("models", "nano-models")
-    run(python, "import nano_models, nano_kvcache.ops")
+    run(python, public.format("nano_models") + "; import nano_kvcache.ops")
     run(python, without.format(["nano_engine", "nano_scheduler"]))
     python = venv("engine", "nano-engine")
     for name in PACKAGES:
-        run(python, f"import nano_{name}")
+        run(python, public.format(f"nano_{name}"))
     run(python, "import nano_kvcache.ops")
 
 
