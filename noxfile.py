@@ -1,6 +1,7 @@
 """The one entry point: tests, lint, wheel builds, GPU checks and benchmarks.
 
-nox -s tests          fresh venv, CPU torch, every package, pytest over all CPU tests (default)
+nox -s tests          fresh venv, CPU torch, every package, pytest over all CPU tests (default;
+                      two processes: ``nox -s tests -- -n0 --pdb`` for one, to debug)
 nox -s lint           ruff check and ruff format --check
 nox -s build          sdists and wheels of every package into dist/, each installed and imported
 nox -s gpu            GPU tests and kernel benchmarks with the current interpreter (an H200)

@@ -233,7 +233,8 @@ def test_the_front_serves_token_ids_without_torch():
         assert [c.usage.completion_tokens for c in stream if c.usage] == [5]
     finally:
         out = srv.output()
-        assert srv.stop() == 0, out
+        code = srv.stop()
+    assert code == 0, out
 
 
 def test_a_taken_port_is_a_one_line_error(checkpoints):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -54,6 +55,12 @@ def test_dtype_comes_from_the_config_or_the_override(checkpoint):
     assert {p.dtype for p in weights} == {torch.bfloat16}
     # (an FP8 cache's scales, kept in float32)
     assert {attn.k_scale.dtype for attn in model.attention_layers} == {torch.float32}
+    # A dtype that is not one of the weights' dtypes: refused where it is read or set.
+    raw = json.loads((checkpoint / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"unsupported dtype 'int8' in config\.json"):
+        ModelConfig.from_dict({**raw, "torch_dtype": "int8"})
+    with pytest.raises(ValueError, match=r"dtype_name must be one of .*, got 'fp8'"):
+        dataclasses.replace(model.config, dtype_name="fp8")
 
 
 def test_dummy_weights_read_no_file(checkpoint, tmp_path):

@@ -3,8 +3,8 @@ tokenizer's vocabulary (on the caller's thread, once per distinct constraint: xg
 them), a matcher per sequence that follows its sampled tokens, and for each step the bitmask of
 the tokens each constrained row may take, filled on the host and applied to the logits before
 sampling. xgrammar is an optional dependency (``nano-engine[structured]``), imported when the
-first constrained request comes; torch when the first bitmask is made (the server's front
-compiles grammars and needs no torch)."""
+first constrained request comes; torch when a bitmask is made (or xgrammar, which imports it),
+not when this module is: the server's front imports it and serves the rest without torch."""
 
 from __future__ import annotations
 

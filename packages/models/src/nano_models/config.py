@@ -91,6 +91,10 @@ class ModelConfig:
             raw=config,
         )
 
+    def __post_init__(self) -> None:
+        if self.dtype_name not in DTYPES:
+            raise ValueError(f"dtype_name must be one of {DTYPES}, got {self.dtype_name!r}")
+
     @property
     def dtype(self) -> torch.dtype:
         """The weights' dtype, as config.json names it."""
