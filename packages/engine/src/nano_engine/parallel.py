@@ -240,9 +240,13 @@ class Workers:
         if isinstance(value, (ValueError, TypeError)):
             raise value  # (the configuration's fault, on every rank: this rank says which)
         # A peer's death often reaches this rank first as its collective's error: name the
-        # worker (it may take a moment to be reaped).
-        wait(sentinels, timeout=2.0)
-        if (message := self.dead()) is not None:
+        # worker. Its sockets and sentinel close before it can be reaped (on a busy host, a
+        # while before), so its exit code is polled for, not only waited on.
+        deadline = time.monotonic() + 2.0
+        while (message := self.dead()) is None and time.monotonic() < deadline:
+            wait(sentinels, timeout=0.01)
+            time.sleep(0.001)  # (a closed sentinel answers at once)
+        if message is not None:
             raise RuntimeError(f"{message} while the engine started; its error is above") from value
         raise value
 
