@@ -244,8 +244,7 @@ class Workers:
         # while before), so its exit code is polled for, not only waited on.
         deadline = time.monotonic() + 2.0
         while (message := self.dead()) is None and time.monotonic() < deadline:
-            wait(sentinels, timeout=0.01)
-            time.sleep(0.001)  # (a closed sentinel answers at once)
+            time.sleep(0.01)
         if message is not None:
             raise RuntimeError(f"{message} while the engine started; its error is above") from value
         raise value
