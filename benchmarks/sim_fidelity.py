@@ -16,7 +16,9 @@ predicts from the profile: 0.6x for the load, 3x for the saturated run, and 0.6x
 what-if settings' own capacity for the what-if (fewer sequences a step serve less: at the
 load's rate the what-if of d3 in benchmarks/RESULTS.md ran at its capacity, where a queue
 makes any small error in the capacity a large one in latency, and the engine's own runs lay
-108% apart).
+108% apart). The saturated run takes at least 8x max_num_seqs of the trace's requests
+(``--saturated-limit``): far above capacity the first max_num_seqs are admitted at once, and
+with few more the median request's TTFT sits on the edge between them and the queue.
 
     python benchmarks/sim_fidelity.py benchmarks/configs/qwen3-0.6b.json --limit 1000 \\
         --out results/fidelity -- --load-format dummy --skip-tokenizer-init --max-model-len 16384
@@ -74,6 +76,10 @@ NAMES = {
 # nano-sim has no front apart from the engine: its "front_s" is missing)
 RELAY = ("ingress_s", "front_s", "egress_s")
 LATE = 0.01  # seconds a client may send a request late before its stalls are warned of
+# The saturated scenario's requests by default: at least this many times max_num_seqs, so that
+# most of them queue (``saturated_limit``)
+SATURATED_QUEUE = 8
+DEFAULT_CONNECTIONS = 1024  # (nano-engine serve's --max-connections)
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -82,13 +88,13 @@ def value(summary: dict, key: str, pct: str | None) -> float:
     return math.nan if x is None else x
 
 
-def capped_trace(args, path: Path) -> Path:
-    """The trace's first ``--limit`` requests with lengths capped at ``--max-len``, in the
-    trace's own format: both sides read this file."""
+def capped_trace(args, path: Path, limit: int) -> Path:
+    """The trace's first ``limit`` requests (0: all) with lengths capped at ``--max-len``, in
+    the trace's own format: both sides read this file."""
     with open(args.trace, newline="") as f:
         rows = list(csv.DictReader(f))
     kept = [r for r in rows if int(r["ContextTokens"]) > 0 and int(r["GeneratedTokens"]) > 0]
-    kept = kept[: args.limit] if args.limit else kept
+    kept = kept[:limit] if limit else kept
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
@@ -117,6 +123,18 @@ def capacity(
     offered = sum(r.output_len for r in requests) / max(1e-9, requests[-1].arrival_time)
     saturated = simulate(profile, trace, 1000.0, workdir / f"{name}.json", list(overrides))
     return value(saturated, "output_tok_per_s", None) / offered
+
+
+def saturated_limit(limit: int, given: int | None, max_num_seqs: int) -> int:
+    """How many of the trace's requests the saturated scenario takes (0: all): the one given,
+    else the larger of ``limit`` and ``SATURATED_QUEUE`` x ``max_num_seqs``. Far above
+    capacity the first ``max_num_seqs`` requests are admitted at once and the rest queue; with
+    too few requests the median one sits on that edge and its TTFT is a knife edge (nano-sim,
+    Qwen3-0.6B's profile at 46x, the host 10% faster / slower: TTFT p50 466 / 777 ms of 700
+    requests, 7.3 / 8.3 s of 2,000: benchmarks/RESULTS.md)."""
+    if given is not None:
+        return given
+    return 0 if limit == 0 else max(limit, SATURATED_QUEUE * max_num_seqs)
 
 
 def choose_rates(
@@ -155,7 +173,7 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     replayed; the clients' summary (and every request) in ``workdir/engine.json``."""
     workdir.mkdir(parents=True, exist_ok=True)
     requests = scale_arrivals(load_azure_trace(trace), rate)
-    options = [*args.engine_args, *overrides]
+    options = serve_options([*args.engine_args, *overrides], len(requests))
     log, output = workdir / "steps.jsonl", workdir / "server.log"
     with ServedEngine(args.model, options, log, output, "sim") as url:
         target = Target(url, "sim", vocab=args.vocab, request_ids=name)
@@ -181,6 +199,16 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
             f"{len(run.failures)} requests failed; the first: {run.failures[0].error}"
         )
     return engine
+
+
+def serve_options(options: list[str], requests: int) -> list[str]:
+    """The server's options for a run of ``requests`` requests: ``options``, and room for a
+    connection each unless they set ``--max-connections`` (far above capacity every request
+    holds its stream open while it queues; nano-sim has no connection limit to turn one
+    away)."""
+    if any(o.partition("=")[0] == "--max-connections" for o in options):
+        return options
+    return [*options, "--max-connections", str(max(DEFAULT_CONNECTIONS, requests + 64))]
 
 
 def with_engine_times(
@@ -390,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="directory for the results")
     p.add_argument("--trace", type=Path, default=TRACE, help="an Azure-format trace CSV")
     p.add_argument("--limit", type=int, default=1000, help="the trace's first N requests (0: all)")
+    p.add_argument(
+        "--saturated-limit",
+        type=int,
+        help=f"the saturated scenario's first N requests (default: the larger of --limit and "
+        f"{SATURATED_QUEUE}x max_num_seqs, so that most of them queue; 0: all)",
+    )
     p.add_argument("--max-len", type=int, default=1 << 30, help="cap prompt and output lengths")
     p.add_argument("--profile", type=Path, help="reuse this profile instead of profiling")
     p.add_argument("--quick", action="store_true", help="profile with a small grid (CPU, tests)")
@@ -424,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat: must be >= 1, got {args.repeat}")
+    for name in ("limit", "saturated_limit"):
+        if (getattr(args, name) or 0) < 0:
+            p.error(f"--{name.replace('_', '-')}: must be >= 0 (0: all), got {getattr(args, name)}")
     args.engine_args = engine_args
     args.out.mkdir(parents=True, exist_ok=True)
     profile = args.profile
@@ -441,8 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--quick"] if args.quick else []
         print("==", " ".join(command[2:] + engine_args), flush=True)
         subprocess.run([*command, *engine_args], check=True)
-    trace = capped_trace(args, args.out / "trace.csv")
+    trace = capped_trace(args, args.out / "trace.csv", args.limit)
     scenarios = args.scenarios.split(",")
+    limit_saturated, traces = args.limit, {}
+    if "saturated" in scenarios:
+        seqs = batch_limits(engine_args).get("max_num_seqs")
+        seqs = seqs if seqs is not None else Profile.load(profile).engine.max_num_seqs
+        limit_saturated = saturated_limit(args.limit, args.saturated_limit, seqs)
+        if limit_saturated != args.limit:
+            path = args.out / "trace-saturated.csv"
+            traces["saturated"] = capped_trace(args, path, limit_saturated)
     unknown = set(scenarios) - {"load", "saturated", "what-if"}
     if unknown:
         p.error(f"unknown scenarios {sorted(unknown)}")
@@ -463,8 +508,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in scenarios:
         overrides = what_if if name == "what-if" else []
-        print(f"== {name}: {rates[name]:.2f}x the trace's rate {' '.join(overrides)}", flush=True)
-        results.append(run_scenario(args, name, trace, rates[name], overrides, profile))
+        requests = limit_saturated if name == "saturated" else args.limit
+        print(
+            f"== {name}: {rates[name]:.2f}x the trace's rate, "
+            f"{f'its first {requests} requests' if requests else 'all of it'} "
+            f"{' '.join(overrides)}",
+            flush=True,
+        )
+        scenario_trace = traces.get(name, trace)
+        results.append(run_scenario(args, name, scenario_trace, rates[name], overrides, profile))
         notes = "\n\n".join(note(results[-1:]) for note in (device_note, host_note, client_note))
         print(table(results[-1:]) + "\n\n" + notes, flush=True)
     notes = (note(results) for note in (device_note, host_note, client_note))

@@ -159,14 +159,17 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         "30",
         "--max-len",
         "48",
-        "--load-rate",
+        "--saturated-rate",
         "4",
+        "--saturated-limit",
+        "40",
         "--what-if-rate",
         "4",
-        # (two of the three: a scenario is two servers, ~35 s of CI's CPU; the saturated one
-        # differs from the load only in its rate, whose choice is tested below)
+        # (two of the three: a scenario is two servers, ~35 s of CI's CPU; the load differs
+        # from the saturated one only in its rate and its requests, whose choice is tested
+        # below)
         "--scenarios",
-        "load,what-if",
+        "saturated,what-if",
         "--what-if",
         "--max-num-seqs 4 --max-num-batched-tokens 128",
         "--processes",
@@ -179,14 +182,18 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "fidelity.json").read_text())
-    assert [r["scenario"] for r in results] == ["load", "what-if"]
+    assert [r["scenario"] for r in results] == ["saturated", "what-if"]
     for result in results:
         name = result["scenario"]
         rows = {row["metric"]: row for row in result["rows"]}
         assert set(rows) >= {"output tok/s", "TTFT p50", "TPOT p99", "ITL p50", "e2e p99"}
         assert all(row["engine"] > 0 and row["nano-sim"] > 0 for row in rows.values())
+        # (the saturated run: its own first 40 requests, on both sides)
+        requests = 40 if name == "saturated" else 30
         sim = json.loads((out / name / "nano-sim.json").read_text())
-        assert len(sim["requests"]) == 30
+        assert len(sim["requests"]) == requests
+        engine = json.loads((out / name / "engine.json").read_text())
+        assert len(engine["requests"]) == requests
         # Each scenario served twice, each run in its own server: the engine's value is their
         # mean, the spread how far apart they lie.
         runs = [json.loads((out / d / "engine.json").read_text()) for d in (name, f"{name}-2")]
@@ -198,8 +205,9 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
             assert row["spread"] == pytest.approx(abs(measured[0] - measured[1]) / row["engine"])
         for d in (name, f"{name}-2"):
             log = read_step_log(out / d / "steps.jsonl")
-            assert len(log.requests) == 30 and all(r.server_cpu_at is not None for r in log.steps)
-        assert all(len(r["requests"]) == 30 for r in runs)
+            assert len(log.requests) == requests
+            assert all(r.server_cpu_at is not None for r in log.steps)
+        assert all(len(r["requests"]) == requests for r in runs)
         # The ways in and out of each request, the engine's from its step log joined with the
         # clients' times (one clock): positive, below the whole TTFT, on both sides.
         # Every request's way in and out, as the step log has every request.
@@ -259,6 +267,42 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
     for bad in (math.nan, None, 0.0):
         with pytest.raises(ValueError, match=r"--max-num-seqs 64.*--what-if-rate"):
             harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
+
+
+def test_the_saturated_scenario_takes_enough_requests_to_queue(tmp_path):
+    """Far above capacity the first max_num_seqs requests are admitted at once: the saturated
+    run takes at least 8x max_num_seqs of them by default (the profile's, or the one the
+    engine is given), the number given, or all; a negative count is an error before anything
+    runs."""
+    harness = _harness()
+    assert harness.saturated_limit(700, None, 256) == 2048
+    assert harness.saturated_limit(3000, None, 256) == 3000
+    assert harness.saturated_limit(700, None, 4) == 700
+    assert harness.saturated_limit(0, None, 256) == 0  # (the whole trace)
+    assert harness.saturated_limit(700, 500, 256) == 500
+    assert harness.saturated_limit(700, 0, 256) == 0
+    # Every request may hold its stream open while it queues: the server is given room for
+    # them all unless the options say otherwise.
+    assert harness.serve_options(["--load-format", "dummy"], 2048) == [
+        "--load-format",
+        "dummy",
+        "--max-connections",
+        "2112",
+    ]
+    assert harness.serve_options([], 30) == ["--max-connections", "1024"]
+    for given in (["--max-connections", "50"], ["--max-connections=50"]):
+        assert harness.serve_options(given, 2048) == given
+    for flag in ("--limit", "--saturated-limit"):
+        proc = run(
+            str(ROOT / "benchmarks" / "sim_fidelity.py"),
+            str(TINY),
+            "--out",
+            str(tmp_path),
+            flag,
+            "-1",
+        )
+        assert proc.returncode == 2 and f"{flag}: must be >= 0" in proc.stderr
+        assert not (tmp_path / "profile.json").exists()
 
 
 def test_the_harness_judges_each_run_with_its_own_batch_limits():
