@@ -125,16 +125,21 @@ def capacity(
     return value(saturated, "output_tok_per_s", None) / offered
 
 
-def saturated_limit(limit: int, given: int | None, max_num_seqs: int) -> int:
+def saturated_limit(limit: int, given: int | None, engine_args: list[str], profile: Path) -> int:
     """How many of the trace's requests the saturated scenario takes (0: all): the one given,
-    else the larger of ``limit`` and ``SATURATED_QUEUE`` x ``max_num_seqs``. Far above
+    else the larger of ``limit`` and ``SATURATED_QUEUE`` x max_num_seqs (the engine options',
+    else the profile's). Far above
     capacity the first ``max_num_seqs`` requests are admitted at once and the rest queue; with
     too few requests the median one sits on that edge and its TTFT is a knife edge (nano-sim,
     Qwen3-0.6B's profile at 46x, the host 10% faster / slower: TTFT p50 466 / 777 ms of 700
     requests, 7.3 / 8.3 s of 2,000: benchmarks/RESULTS.md)."""
     if given is not None:
         return given
-    return 0 if limit == 0 else max(limit, SATURATED_QUEUE * max_num_seqs)
+    if limit == 0:
+        return 0
+    seqs = batch_limits(engine_args).get("max_num_seqs")
+    seqs = seqs if seqs is not None else Profile.load(profile).engine.max_num_seqs
+    return max(limit, SATURATED_QUEUE * seqs)
 
 
 def choose_rates(
@@ -482,9 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = args.scenarios.split(",")
     limit_saturated, traces = args.limit, {}
     if "saturated" in scenarios:
-        seqs = batch_limits(engine_args).get("max_num_seqs")
-        seqs = seqs if seqs is not None else Profile.load(profile).engine.max_num_seqs
-        limit_saturated = saturated_limit(args.limit, args.saturated_limit, seqs)
+        limit_saturated = saturated_limit(args.limit, args.saturated_limit, engine_args, profile)
         if limit_saturated != args.limit:
             path = args.out / "trace-saturated.csv"
             traces["saturated"] = capped_trace(args, path, limit_saturated)

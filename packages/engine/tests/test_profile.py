@@ -269,18 +269,21 @@ def test_the_harness_rates_follow_each_scenario_s_capacity():
             harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
 
 
-def test_the_saturated_scenario_takes_enough_requests_to_queue(tmp_path):
+def test_the_saturated_scenario_takes_enough_requests_to_queue(profile, tmp_path):
     """Far above capacity the first max_num_seqs requests are admitted at once: the saturated
-    run takes at least 8x max_num_seqs of them by default (the profile's, or the one the
-    engine is given), the number given, or all; a negative count is an error before anything
+    run takes at least 8x max_num_seqs of them by default (the one the engine is given, else
+    the profile's), the number given, or all; a negative count is an error before anything
     runs."""
     harness = _harness()
-    assert harness.saturated_limit(700, None, 256) == 2048
-    assert harness.saturated_limit(3000, None, 256) == 3000
-    assert harness.saturated_limit(700, None, 4) == 700
-    assert harness.saturated_limit(0, None, 256) == 0  # (the whole trace)
-    assert harness.saturated_limit(700, 500, 256) == 500
-    assert harness.saturated_limit(700, 0, 256) == 0
+    assert Profile.load(profile).engine.max_num_seqs == 8
+    assert harness.saturated_limit(30, None, [], profile) == 64
+    assert harness.saturated_limit(700, None, ["--max-num-seqs", "256"], profile) == 2048
+    assert harness.saturated_limit(700, None, ["--max-num-seqs=256"], profile) == 2048
+    assert harness.saturated_limit(3000, None, ["--max-num-seqs", "256"], profile) == 3000
+    assert harness.saturated_limit(30, None, ["--max-num-seqs", "2"], profile) == 30
+    assert harness.saturated_limit(0, None, [], profile) == 0  # (the whole trace)
+    assert harness.saturated_limit(700, 500, [], profile) == 500
+    assert harness.saturated_limit(700, 0, [], profile) == 0
     # Every request may hold its stream open while it queues: the server is given room for
     # them all unless the options say otherwise.
     assert harness.serve_options(["--load-format", "dummy"], 2048) == [
