@@ -16,14 +16,17 @@ predicts from the profile: 0.6x for the load, 3x for the saturated run, and 0.6x
 what-if settings' own capacity for the what-if (fewer sequences a step serve less: at the
 load's rate the what-if of d3 in benchmarks/RESULTS.md ran at its capacity, where a queue
 makes any small error in the capacity a large one in latency, and the engine's own runs lay
-108% apart). The saturated run takes at least 8x max_num_seqs of the trace's requests
-(``--saturated-limit``): far above capacity the first max_num_seqs are admitted at once, and
-with few more the median request's TTFT sits on the edge between them and the queue.
+108% apart). By default the saturated run takes at least 8x max_num_seqs of the trace's
+requests (``--saturated-limit``): far above capacity the first max_num_seqs are admitted at
+once, and with few more the median request's TTFT sits on the edge between them and the queue.
+Each rate is a multiple of the capacity for the scenario's own requests.
 
     python benchmarks/sim_fidelity.py benchmarks/configs/qwen3-0.6b.json --limit 1000 \\
         --out results/fidelity -- --load-format dummy --skip-tokenizer-init --max-model-len 16384
 
-Everything after ``--`` goes to both ``nano-engine profile`` and ``nano-engine serve``.
+Everything after ``--`` goes to both ``nano-engine profile`` and ``nano-engine serve``; the
+server also gets room for every request of a run (``--max-connections``, ``--max-queue``), as
+nano-sim turns none away.
 ``--repeat N`` serves each scenario N times, each in a fresh server: the error is then against
 the engine's mean, and the table shows how far the engine's own runs lie apart (on a machine
 whose host speed drifts, that spread is the floor under any prediction's error).
@@ -79,7 +82,9 @@ LATE = 0.01  # seconds a client may send a request late before its stalls are wa
 # The saturated scenario's requests by default: at least this many times max_num_seqs, so that
 # most of them queue (``saturated_limit``)
 SATURATED_QUEUE = 8
-DEFAULT_CONNECTIONS = 1024  # (nano-engine serve's --max-connections)
+# nano-engine serve's --max-connections and --max-queue, and a client process's connections
+SERVER_LIMITS = {"--max-connections": 1024, "--max-queue": 1024}
+CLIENT_CONNECTIONS = 1024
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -88,9 +93,9 @@ def value(summary: dict, key: str, pct: str | None) -> float:
     return math.nan if x is None else x
 
 
-def capped_trace(args, path: Path, limit: int) -> Path:
+def capped_trace(args, path: Path, limit: int) -> tuple[Path, int]:
     """The trace's first ``limit`` requests (0: all) with lengths capped at ``--max-len``, in
-    the trace's own format: both sides read this file."""
+    the trace's own format (both sides read this file), and how many there are."""
     with open(args.trace, newline="") as f:
         rows = list(csv.DictReader(f))
     kept = [r for r in rows if int(r["ContextTokens"]) > 0 and int(r["GeneratedTokens"]) > 0]
@@ -102,7 +107,7 @@ def capped_trace(args, path: Path, limit: int) -> Path:
             prompt = min(int(r["ContextTokens"]), args.max_len)
             output = min(int(r["GeneratedTokens"]), args.max_len)
             writer.writerow([r["TIMESTAMP"], prompt, output])
-    return path
+    return path, len(kept)
 
 
 def simulate(profile: Path, trace: Path, rate_scale: float, out: Path, overrides) -> dict:
@@ -128,11 +133,11 @@ def capacity(
 def saturated_limit(limit: int, given: int | None, engine_args: list[str], profile: Path) -> int:
     """How many of the trace's requests the saturated scenario takes (0: all): the one given,
     else the larger of ``limit`` and ``SATURATED_QUEUE`` x max_num_seqs (the engine options',
-    else the profile's). Far above
-    capacity the first ``max_num_seqs`` requests are admitted at once and the rest queue; with
-    too few requests the median one sits on that edge and its TTFT is a knife edge (nano-sim,
-    Qwen3-0.6B's profile at 46x, the host 10% faster / slower: TTFT p50 466 / 777 ms of 700
-    requests, 7.3 / 8.3 s of 2,000: benchmarks/RESULTS.md)."""
+    else the profile's). Far above capacity the first max_num_seqs requests are admitted at
+    once and the rest queue; with too few requests the median one sits on that edge and its
+    TTFT is a knife edge (nano-sim, Qwen3-0.6B's profile at 46x, the host 10% faster /
+    slower: TTFT p50 467 / 777 ms of 700 requests, 7.3 / 8.3 s of 2,000:
+    benchmarks/RESULTS.md)."""
     if given is not None:
         return given
     if limit == 0:
@@ -146,12 +151,13 @@ def choose_rates(
     scenarios: list[str],
     given: dict[str, float | None],
     what_if: list[str],
-    capacity_of: Callable[[list[str]], float],
+    capacity_of: Callable[[list[str], Path], float],
+    traces: dict[str, Path],
 ) -> dict[str, float]:
     """Each scenario's rate scale: the one given, else a multiple of the capacity nano-sim
-    predicts for its settings (``capacity_of(overrides)``, asked once per settings): 0.6x for
-    ``load``, 3x for ``saturated``, 0.6x of the what-if settings' own for ``what-if``.
-    ValueError for a rate <= 0, or a capacity that is not a positive number."""
+    predicts for its settings and its trace (``capacity_of(overrides, traces[name])``, asked
+    once per pair): 0.6x for ``load``, 3x for ``saturated``, 0.6x of the what-if settings' own
+    for ``what-if``. ValueError for a rate <= 0, or a capacity that is not a positive number."""
     rates, limits = {}, {}
     for name in scenarios:
         if given.get(name) is not None:
@@ -160,9 +166,9 @@ def choose_rates(
             rates[name] = given[name]
             continue
         overrides = what_if if name == "what-if" else []
-        key = tuple(overrides)
+        key = (tuple(overrides), traces[name])
         if key not in limits:
-            limits[key] = capacity_of(overrides)
+            limits[key] = capacity_of(overrides, traces[name])
             if not (isinstance(limits[key], float | int) and 0 < limits[key] < math.inf):
                 settings = " ".join(overrides) or "the profiled settings"
                 raise ValueError(
@@ -181,7 +187,9 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     options = serve_options([*args.engine_args, *overrides], len(requests))
     log, output = workdir / "steps.jsonl", workdir / "server.log"
     with ServedEngine(args.model, options, log, output, "sim") as url:
-        target = Target(url, "sim", vocab=args.vocab, request_ids=name)
+        # (a connection for each of a process's requests: far above capacity they all wait)
+        connections = max(CLIENT_CONNECTIONS, -(-len(requests) // args.processes) + 8)
+        target = Target(url, "sim", vocab=args.vocab, max_connections=connections, request_ids=name)
         run = replay(target, requests, args.processes)
     records, gaps = run.nano_sim_records()
     timings = {t.id: t for t in read_step_log(log).requests}
@@ -207,13 +215,16 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
 
 
 def serve_options(options: list[str], requests: int) -> list[str]:
-    """The server's options for a run of ``requests`` requests: ``options``, and room for a
-    connection each unless they set ``--max-connections`` (far above capacity every request
-    holds its stream open while it queues; nano-sim has no connection limit to turn one
-    away)."""
-    if any(o.partition("=")[0] == "--max-connections" for o in options):
-        return options
-    return [*options, "--max-connections", str(max(DEFAULT_CONNECTIONS, requests + 64))]
+    """The server's options for a run of ``requests`` requests: ``options``, and room for
+    every one of them, open and queued, where they do not set ``--max-connections`` or
+    ``--max-queue`` (far above capacity every request holds its stream open while it queues;
+    nano-sim turns none away)."""
+    given = {o.partition("=")[0] for o in options}
+    extra = []
+    for flag, default in SERVER_LIMITS.items():
+        if flag not in given:
+            extra += [flag, str(max(default, requests + 64))]
+    return [*options, *extra]
 
 
 def with_engine_times(
@@ -466,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("limit", "saturated_limit"):
         if (getattr(args, name) or 0) < 0:
             p.error(f"--{name.replace('_', '-')}: must be >= 0 (0: all), got {getattr(args, name)}")
+    scenarios = args.scenarios.split(",")
+    unknown = set(scenarios) - {"load", "saturated", "what-if"}
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}")
     args.engine_args = engine_args
     args.out.mkdir(parents=True, exist_ok=True)
     profile = args.profile
@@ -483,43 +498,40 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--quick"] if args.quick else []
         print("==", " ".join(command[2:] + engine_args), flush=True)
         subprocess.run([*command, *engine_args], check=True)
-    trace = capped_trace(args, args.out / "trace.csv", args.limit)
-    scenarios = args.scenarios.split(",")
-    limit_saturated, traces = args.limit, {}
+    trace, count = capped_trace(args, args.out / "trace.csv", args.limit)
+    traces = dict.fromkeys(scenarios, trace)
+    counts = dict.fromkeys(scenarios, count)
     if "saturated" in scenarios:
-        limit_saturated = saturated_limit(args.limit, args.saturated_limit, engine_args, profile)
-        if limit_saturated != args.limit:
+        limit = saturated_limit(args.limit, args.saturated_limit, engine_args, profile)
+        if limit != args.limit:
             path = args.out / "trace-saturated.csv"
-            traces["saturated"] = capped_trace(args, path, limit_saturated)
-    unknown = set(scenarios) - {"load", "saturated", "what-if"}
-    if unknown:
-        p.error(f"unknown scenarios {sorted(unknown)}")
+            traces["saturated"], counts["saturated"] = capped_trace(args, path, limit)
     what_if = args.what_if.split()
     given = {"load": args.load_rate, "saturated": args.saturated_rate, "what-if": args.what_if_rate}
 
-    def limit(overrides: list[str]) -> float:
-        tag = "capacity-what-if" if overrides else "capacity"
-        x = capacity(profile, trace, args.out, overrides, tag)
+    def capacity_of(overrides: list[str], requests: Path) -> float:
+        tag = "capacity" + ("-what-if" if overrides else "") + f"-{requests.stem}"
+        x = capacity(profile, requests, args.out, overrides, tag)
         settings = " ".join(overrides) or "as profiled"
-        print(f"== nano-sim's capacity ({settings}): {x:.2f}x the trace's rate", flush=True)
+        print(
+            f"== nano-sim's capacity ({settings}, {requests.name}): {x:.2f}x the trace's rate",
+            flush=True,
+        )
         return x
 
     try:
-        rates = choose_rates(scenarios, given, what_if, limit)
+        rates = choose_rates(scenarios, given, what_if, capacity_of, traces)
     except ValueError as e:
         p.error(str(e))
     results = []
     for name in scenarios:
         overrides = what_if if name == "what-if" else []
-        requests = limit_saturated if name == "saturated" else args.limit
         print(
-            f"== {name}: {rates[name]:.2f}x the trace's rate, "
-            f"{f'its first {requests} requests' if requests else 'all of it'} "
+            f"== {name}: {rates[name]:.2f}x the trace's rate, {counts[name]} requests "
             f"{' '.join(overrides)}",
             flush=True,
         )
-        scenario_trace = traces.get(name, trace)
-        results.append(run_scenario(args, name, scenario_trace, rates[name], overrides, profile))
+        results.append(run_scenario(args, name, traces[name], rates[name], overrides, profile))
         notes = "\n\n".join(note(results[-1:]) for note in (device_note, host_note, client_note))
         print(table(results[-1:]) + "\n\n" + notes, flush=True)
     notes = (note(results) for note in (device_note, host_note, client_note))

@@ -161,8 +161,6 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         "48",
         "--saturated-rate",
         "4",
-        "--saturated-limit",
-        "40",
         "--what-if-rate",
         "4",
         # (two of the three: a scenario is two servers, ~35 s of CI's CPU; the load differs
@@ -188,8 +186,8 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
         rows = {row["metric"]: row for row in result["rows"]}
         assert set(rows) >= {"output tok/s", "TTFT p50", "TPOT p99", "ITL p50", "e2e p99"}
         assert all(row["engine"] > 0 and row["nano-sim"] > 0 for row in rows.values())
-        # (the saturated run: its own first 40 requests, on both sides)
-        requests = 40 if name == "saturated" else 30
+        # (the saturated run: 8 x max_num_seqs of the trace's requests, on both sides)
+        requests = 64 if name == "saturated" else 30
         sim = json.loads((out / name / "nano-sim.json").read_text())
         assert len(sim["requests"]) == requests
         engine = json.loads((out / name / "engine.json").read_text())
@@ -239,34 +237,41 @@ def test_sim_fidelity_harness_on_the_cpu(profile, tmp_path):
 
 def test_the_harness_rates_follow_each_scenario_s_capacity():
     """The rates the harness serves: those given, else multiples of the capacity nano-sim
-    predicts for each scenario's settings (the what-if's own), each asked once; a rate <= 0 or
-    a capacity that is no positive number: an error that says which."""
+    predicts for each scenario's settings (the what-if's own) and requests (the saturated
+    run's own, when it takes more), each pair asked once; a rate <= 0 or a capacity that is no
+    positive number: an error that says which."""
     harness = _harness()
     asked = []
 
-    def capacity_of(overrides):
-        asked.append(overrides)
-        return 20.0 if not overrides else 8.0
+    def capacity_of(overrides, trace):
+        asked.append((overrides, trace))
+        return (20.0 if not overrides else 8.0) * (2 if trace.stem.endswith("saturated") else 1)
 
     what_if = ["--max-num-seqs", "64"]
     scenarios = ["load", "saturated", "what-if"]
     none = dict.fromkeys(scenarios)
-    rates = harness.choose_rates(scenarios, none, what_if, capacity_of)
+    one = dict.fromkeys(scenarios, Path("trace.csv"))
+    rates = harness.choose_rates(scenarios, none, what_if, capacity_of, one)
     assert rates == {"load": 12.0, "saturated": 60.0, "what-if": pytest.approx(4.8)}
-    assert asked == [[], what_if]
+    assert asked == [([], one["load"]), (what_if, one["what-if"])]
     asked.clear()
     given = {**none, "load": 5.0, "what-if": 2.0}
-    assert harness.choose_rates(scenarios, given, what_if, capacity_of) == {
+    assert harness.choose_rates(scenarios, given, what_if, capacity_of, one) == {
         "load": 5.0,
         "saturated": 60.0,
         "what-if": 2.0,
     }
-    assert asked == [[]]
+    assert asked == [([], one["saturated"])]
+    asked.clear()
+    own = {**one, "saturated": Path("trace-saturated.csv")}
+    rates = harness.choose_rates(scenarios, none, what_if, capacity_of, own)
+    assert rates == {"load": 12.0, "saturated": 120.0, "what-if": pytest.approx(4.8)}
+    assert asked == [([], one["load"]), ([], own["saturated"]), (what_if, one["what-if"])]
     with pytest.raises(ValueError, match="saturated scenario's rate must be > 0"):
-        harness.choose_rates(scenarios, {**none, "saturated": 0.0}, what_if, capacity_of)
+        harness.choose_rates(scenarios, {**none, "saturated": 0.0}, what_if, capacity_of, one)
     for bad in (math.nan, None, 0.0):
         with pytest.raises(ValueError, match=r"--max-num-seqs 64.*--what-if-rate"):
-            harness.choose_rates(["what-if"], none, what_if, lambda o, bad=bad: bad)
+            harness.choose_rates(["what-if"], none, what_if, lambda o, t, bad=bad: bad, one)
 
 
 def test_the_saturated_scenario_takes_enough_requests_to_queue(profile, tmp_path):
@@ -285,26 +290,33 @@ def test_the_saturated_scenario_takes_enough_requests_to_queue(profile, tmp_path
     assert harness.saturated_limit(700, 500, [], profile) == 500
     assert harness.saturated_limit(700, 0, [], profile) == 0
     # Every request may hold its stream open while it queues: the server is given room for
-    # them all unless the options say otherwise.
+    # them all, open and queued, unless the options say otherwise.
     assert harness.serve_options(["--load-format", "dummy"], 2048) == [
         "--load-format",
         "dummy",
         "--max-connections",
         "2112",
+        "--max-queue",
+        "2112",
     ]
-    assert harness.serve_options([], 30) == ["--max-connections", "1024"]
-    for given in (["--max-connections", "50"], ["--max-connections=50"]):
-        assert harness.serve_options(given, 2048) == given
-    for flag in ("--limit", "--saturated-limit"):
+    assert harness.serve_options([], 30) == ["--max-connections", "1024", "--max-queue", "1024"]
+    given = ["--max-connections", "50", "--max-queue=60"]
+    assert harness.serve_options(given, 2048) == given
+    assert harness.serve_options(given[:2], 2048) == [*given[:2], "--max-queue", "2112"]
+    for flag, value, error in (
+        ("--limit", "-1", "--limit: must be >= 0"),
+        ("--saturated-limit", "-1", "--saturated-limit: must be >= 0"),
+        ("--scenarios", "load,saturatd", "unknown scenarios ['saturatd']"),
+    ):
         proc = run(
             str(ROOT / "benchmarks" / "sim_fidelity.py"),
             str(TINY),
             "--out",
             str(tmp_path),
             flag,
-            "-1",
+            value,
         )
-        assert proc.returncode == 2 and f"{flag}: must be >= 0" in proc.stderr
+        assert proc.returncode == 2 and error in proc.stderr
         assert not (tmp_path / "profile.json").exists()
 
 
