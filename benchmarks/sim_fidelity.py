@@ -82,9 +82,7 @@ LATE = 0.01  # seconds a client may send a request late before its stalls are wa
 # The saturated scenario's requests by default: at least this many times max_num_seqs, so that
 # most of them queue (``saturated_limit``)
 SATURATED_QUEUE = 8
-# nano-engine serve's --max-connections and --max-queue, and a client process's connections
-SERVER_LIMITS = {"--max-connections": 1024, "--max-queue": 1024}
-CLIENT_CONNECTIONS = 1024
+ROOM = 64  # connections and queue places the server gets beyond a run's requests
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -188,7 +186,7 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     log, output = workdir / "steps.jsonl", workdir / "server.log"
     with ServedEngine(args.model, options, log, output, "sim") as url:
         # (a connection for each of a process's requests: far above capacity they all wait)
-        connections = max(CLIENT_CONNECTIONS, -(-len(requests) // args.processes) + 8)
+        connections = -(-len(requests) // args.processes) + 8
         target = Target(url, "sim", vocab=args.vocab, max_connections=connections, request_ids=name)
         run = replay(target, requests, args.processes)
     records, gaps = run.nano_sim_records()
@@ -221,9 +219,9 @@ def serve_options(options: list[str], requests: int) -> list[str]:
     nano-sim turns none away)."""
     given = {o.partition("=")[0] for o in options}
     extra = []
-    for flag, default in SERVER_LIMITS.items():
+    for flag in ("--max-connections", "--max-queue"):
         if flag not in given:
-            extra += [flag, str(max(default, requests + 64))]
+            extra += [flag, str(requests + ROOM)]
     return [*options, *extra]
 
 

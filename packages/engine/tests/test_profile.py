@@ -299,7 +299,7 @@ def test_the_saturated_scenario_takes_enough_requests_to_queue(profile, tmp_path
         "--max-queue",
         "2112",
     ]
-    assert harness.serve_options([], 30) == ["--max-connections", "1024", "--max-queue", "1024"]
+    assert harness.serve_options([], 30) == ["--max-connections", "94", "--max-queue", "94"]
     given = ["--max-connections", "50", "--max-queue=60"]
     assert harness.serve_options(given, 2048) == given
     assert harness.serve_options(given[:2], 2048) == [*given[:2], "--max-queue", "2112"]
