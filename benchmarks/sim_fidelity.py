@@ -45,7 +45,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from nano_engine.replay import ServedEngine, Target, replay
+from nano_engine.replay import ServedEngine, Target, replay, serve_options
 from nano_scheduler.sim import load_azure_trace, scale_arrivals
 from nano_scheduler.sim.cli import main as nano_sim
 from nano_scheduler.sim.metrics import RequestRecord, nan_to_none, percentiles, summarize
@@ -82,7 +82,6 @@ LATE = 0.01  # seconds a client may send a request late before its stalls are wa
 # The saturated scenario's requests by default: at least this many times max_num_seqs, so that
 # most of them queue (``saturated_limit``)
 SATURATED_QUEUE = 8
-ROOM = 64  # connections and queue places the server gets beyond a run's requests
 
 
 def value(summary: dict, key: str, pct: str | None) -> float:
@@ -210,19 +209,6 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
             f"{len(run.failures)} requests failed; the first: {run.failures[0].error}"
         )
     return engine
-
-
-def serve_options(options: list[str], requests: int) -> list[str]:
-    """The server's options for a run of ``requests`` requests: ``options``, and room for
-    every one of them, open and queued, where they do not set ``--max-connections`` or
-    ``--max-queue`` (far above capacity every request holds its stream open while it queues;
-    nano-sim turns none away)."""
-    given = {o.partition("=")[0] for o in options}
-    extra = []
-    for flag in ("--max-connections", "--max-queue"):
-        if flag not in given:
-            extra += [flag, str(requests + ROOM)]
-    return [*options, *extra]
 
 
 def with_engine_times(

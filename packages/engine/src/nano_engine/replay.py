@@ -54,6 +54,22 @@ class ClientRecord:
         )
 
 
+ROOM = 64  # connections and queue places a server gets beyond a run's requests
+
+
+def serve_options(options: list[str], requests: int) -> list[str]:
+    """A server's options for a run of ``requests`` requests: ``options``, and room for
+    every one of them, open and queued, where they do not set ``--max-connections`` or
+    ``--max-queue`` (far above capacity every request holds its stream open while it
+    queues; the server's defaults would turn the rest away)."""
+    given = {o.partition("=")[0] for o in options}
+    extra = []
+    for flag in ("--max-connections", "--max-queue"):
+        if flag not in given:
+            extra += [flag, str(requests + ROOM)]
+    return [*options, *extra]
+
+
 class ServedEngine:
     """``nano-engine serve MODEL [options]`` in a subprocess on a free port, its step log
     written to ``step_log``, its output to ``output``; ``with`` it: the server's URL once it

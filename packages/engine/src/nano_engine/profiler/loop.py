@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nano_engine.config import EngineConfig
-from nano_engine.replay import ServedEngine, Target, client_pool, replay
+from nano_engine.replay import ServedEngine, Target, client_pool, replay, serve_options
 from nano_scheduler import SamplingParams
 from nano_scheduler.sim.profile import StepRecord, read_step_log
 from nano_scheduler.sim.workload import Request
@@ -47,19 +47,30 @@ class Workloads:
             for i, n in enumerate(sizes)
         ]
 
-    def mixed(self, rate: float | None, count: int, outputs: int = 160) -> list[Request]:
-        """Prompts and outputs of log-uniform lengths (outputs up to ``outputs`` tokens),
-        arriving at ``rate`` per second (None: all at once): admissions beside decodes of
-        many context lengths."""
+    def mixed(
+        self, rate: float | None, count: int, outputs: int = 160, shortest: int = 4
+    ) -> list[Request]:
+        """Prompts and outputs of log-uniform lengths (outputs from ``shortest`` to
+        ``outputs`` tokens), arriving at ``rate`` per second (None: all at once): admissions
+        beside decodes of many context lengths."""
         rng, now, out = self.rng, 0.0, []
         longest_output = min(32 if self.quick else outputs, self.longest)
+        shortest = min(shortest, longest_output)
         for _ in range(count):
             if rate is not None:
                 now += rng.expovariate(rate)
             prompt = round(2 ** rng.uniform(4, max(4.0, math.log2(self.longest))))
-            output = round(2 ** rng.uniform(2, max(2.0, math.log2(longest_output))))
+            output = round(2 ** rng.uniform(math.log2(shortest), math.log2(longest_output)))
             out.append(Request(now, max(1, prompt), max(1, output)))
         return out
+
+    def saturating(self) -> list[Request]:
+        """Three full batches' worth of requests at once, outputs of 32 to 1,024 tokens: a
+        server far above its capacity. The batch stays at max_num_seqs with a queue behind
+        it, each step that ends sequences admits prompt chunks beside the other decodes,
+        and the front passes over every stream each step: the steps a saturated server runs
+        most, which the other workloads reach only in passing."""
+        return self.mixed(None, 3 * self.max_num_seqs, 1024, shortest=32)
 
 
 def offline(engine, work: Workloads, progress) -> list[StepRecord]:
@@ -111,22 +122,26 @@ def server(
         options = engine_flags(config)
         if not engine_process:
             options.append("--disable-frontend-multiprocessing")
+        sweep = work.sweep()
+        # The mixed workload arriving at 40% and 70% of the rate the engine served it
+        # offline (admissions beside few, then tens to a hundred decodes: a prompt chunk's
+        # launch depends on the decodes beside it, and a trace served under load makes
+        # most of its chunks beside those), then long outputs at twice it (queues, long
+        # contexts), then a saturated server's full batches.
+        count = 2 * work.max_num_seqs
+        mixed = [
+            work.mixed(0.4 * work.served, count),
+            work.mixed(0.7 * work.served, work.max_num_seqs),
+            work.mixed(2 * work.served, count, 1024),
+            work.saturating(),
+        ]
+        one = [Request(0.0, min(128, work.longest), 8)]
+        workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
+        largest = max(len(requests) for requests in workloads)
+        options = serve_options(options, largest)  # (each request holds a connection)
+        connections = -(-largest // 4) + 8  # (and a client process one for each of its own)
         with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
-            target = Target(url, "profile", vocab=work.vocab)
-            sweep = work.sweep()
-            # The mixed workload arriving at 40% and 70% of the rate the engine served it
-            # offline (admissions beside few, then tens to a hundred decodes: a prompt chunk's
-            # launch depends on the decodes beside it, and a trace served under load makes
-            # most of its chunks beside those), then long outputs at twice it (queues, full
-            # batches of long contexts).
-            count = 2 * work.max_num_seqs
-            mixed = [
-                work.mixed(0.4 * work.served, count),
-                work.mixed(0.7 * work.served, work.max_num_seqs),
-                work.mixed(2 * work.served, count, 1024),
-            ]
-            one = [Request(0.0, min(128, work.longest), 8)]
-            workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
+            target = Target(url, "profile", vocab=work.vocab, max_connections=connections)
             # spans: [start, end (monotonic), requests, prompt tokens, seconds they were sent over]
             replays, spans = [], []
             with client_pool(4) as clients:
