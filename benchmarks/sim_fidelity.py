@@ -1,9 +1,7 @@
 """How well nano-sim predicts the engine: profile once, replay a trace against the real server,
 simulate the same workload from the profile, compare.
 
-1. ``nano-engine profile MODEL ... --out OUT/profile.json`` (or ``--profile`` to reuse one),
-   its served workloads streamed by as many client processes as the runs' (``--processes``:
-   clients on the server's host slow its front and its loop, as they will in the runs).
+1. ``nano-engine profile MODEL ... --out OUT/profile.json`` (or ``--profile`` to reuse one).
 2. For each scenario: ``nano-engine serve MODEL ... --step-log``, the trace replayed by
    streaming clients at the scenario's rate (``nano_engine.replay``), the server stopped; then
    nano-sim on the same trace, rate and engine settings, from the profile alone.
@@ -480,8 +478,6 @@ def main(argv: list[str] | None = None) -> int:
             args.model,
             "--out",
             str(profile),
-            "--client-processes",  # (the clients' load on this host, as the runs will have it)
-            str(args.processes),
         ]
         command += ["--quick"] if args.quick else []
         print("==", " ".join(command[2:] + engine_args), flush=True)

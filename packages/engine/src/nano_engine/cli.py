@@ -227,14 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the server with the engine in its process (as serve's flag runs it)",
     )
-    prof.add_argument(
-        "--client-processes",
-        type=int,
-        default=4,
-        help="client processes that stream the served workloads from this machine (default "
-        "4; clients that share the server's host slow it: profile with as many as will "
-        "send the traffic nano-sim predicts)",
-    )
     add_engine_options(prof)
     return parser
 
@@ -547,8 +539,6 @@ def profile(args: argparse.Namespace) -> int:
                 f"profiling through the server needs nano-engine[serve] ({e.name} is missing); "
                 "install it, or pass --no-server"
             ) from None
-    if args.client_processes < 1:
-        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     if config.data_parallel_size > 1:
         raise ValueError(
@@ -562,7 +552,6 @@ def profile(args: argparse.Namespace) -> int:
         server=not args.no_server,
         progress=bars,
         engine_process=not args.disable_frontend_multiprocessing,
-        client_processes=args.client_processes,
     )
     bars.close()
     result.save(args.out)

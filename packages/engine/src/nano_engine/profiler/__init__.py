@@ -34,13 +34,11 @@ def profile_engine(
     server: bool = True,
     progress: Progress | None = None,
     engine_process: bool = True,
-    client_processes: int = 4,
 ) -> Profile:
     """Start an engine with ``config``, measure it, shut it down; ``quick``: a small grid and
     short workloads (a CPU, a test); ``server``: also through the HTTP server (needs
     nano-engine[serve]), which runs its engine in a process of its own unless not
-    ``engine_process`` (``serve --disable-frontend-multiprocessing``), its workloads streamed
-    by ``client_processes`` processes of this machine."""
+    ``engine_process`` (``serve --disable-frontend-multiprocessing``)."""
     report = progress or (lambda phase, done, total: None)
     timings: dict[str, float] = {}
     engine = LLMEngine(config)
@@ -77,11 +75,7 @@ def profile_engine(
         sampling = phase("sampling", measure_sampling, engine, grid.sampling_rows(), clock)
         engine.reset_prefix_cache()  # (the grid wrote garbage into cached blocks)
         work = loop.Workloads(
-            sched.max_num_seqs,
-            engine.max_model_len,
-            engine.model_config.vocab_size,
-            quick,
-            client_processes,
+            sched.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size, quick
         )
         host = {"offline": phase("offline loop", loop.offline, engine, work)}
         mc = engine.model_config
@@ -129,7 +123,6 @@ def profile_engine(
             "python": platform.python_version(),
             "command": " ".join(sys.argv),
             "quick": quick,
-            "client_processes": client_processes if server else 0,
             "seconds": timings,
         },
     )

@@ -26,13 +26,10 @@ from nano_scheduler.sim.workload import Request
 
 
 class Workloads:
-    """The synthetic workloads, sized to the engine (``quick``: short ones), and the client
-    processes that send them to the server."""
+    """The synthetic workloads, sized to the engine (``quick``: short ones)."""
 
-    def __init__(
-        self, max_num_seqs: int, max_model_len: int, vocab: int, quick: bool, clients: int = 4
-    ) -> None:
-        self.max_num_seqs, self.quick, self.clients = max_num_seqs, quick, clients
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab: int, quick: bool) -> None:
+        self.max_num_seqs, self.quick = max_num_seqs, quick
         self.served = 0.0  # requests/s of the mixed workload offline (``offline`` sets it)
         self.longest = max(2, min(4096, max_model_len // 2))
         self.vocab = min(vocab, 10_000)
@@ -142,16 +139,15 @@ def server(
         workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
         largest = max(len(requests) for requests in workloads)
         options = serve_options(options, largest)  # (each request holds a connection)
-        # (and a client process one for each of its own)
-        connections = -(-largest // work.clients) + 8
+        connections = -(-largest // 4) + 8  # (and a client process one for each of its own)
         with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
             target = Target(url, "profile", vocab=work.vocab, max_connections=connections)
             # spans: [start, end (monotonic), requests, prompt tokens, seconds they were sent over]
             replays, spans = [], []
-            with client_pool(work.clients) as clients:
+            with client_pool(4) as clients:
                 for requests in workloads:
                     ids = replace(target, request_ids=f"profile{len(replays)}")
-                    processes = min(work.clients, len(requests))
+                    processes = min(4, len(requests))
                     start = time.monotonic()
                     replays.append(replay(ids, requests, processes, pool=clients))
                     prompt = sum(r.prompt_tokens for r in replays[-1].records)
