@@ -707,6 +707,36 @@ def test_the_event_loop_accepts_one_connection_an_iteration():
     ]
 
 
+def test_a_kept_alive_connection_takes_the_clients_next_request_past_the_backlog():
+    """A finished request's connection stays open (HTTP keep-alive) and the client's next
+    request on it is read by the next poll, handled the iteration after: ahead of the new
+    connections waiting to be accepted, one an iteration. Not once the connection has been
+    idle longer than ``keep_alive``, nor with ``keep_alive`` 0 (every request on a new
+    connection)."""
+
+    def served(keep_alive: float, second_request_at: float) -> dict[int, float]:
+        costs = ServerCosts(
+            1e-4, 0.0, ((1, 1e-4), (100, 9e-3)), own_process=True, keep_alive=keep_alive
+        )
+        host = ServerHost(costs, lambda *a: None)
+        for i in range(100):  # (a burst of new connections: a backlog of ~1 s)
+            host.send(i * 1e-4, i, 10)
+        host.send(second_request_at, 100, 10)
+        for k in range(200):  # (passes of 9 ms back to back; a stream ends at 10 ms)
+            streams = [(seq, False) for seq in range(100)]
+            host.publish(k * 5e-3, [*streams, (1007, True)] if k == 2 else streams)
+        return {position: when for when, position in host.accepted(2.0)}
+
+    reused = served(5.0, 0.05)
+    assert len(reused) == 101
+    assert 0.05 < reused[100] < 0.05 + 3 * (9e-3 + 1e-4)  # (two iterations at most, handled)
+    assert sum(when < reused[100] for when in reused.values()) < 10  # (the backlog waits)
+    for new in (served(0.0, 0.05), served(0.01, 0.05)):  # (no keep-alive; closed at 30 ms)
+        assert max(new, key=new.get) == 100  # (behind every connection that came before)
+    with pytest.raises(ValueError, match="keep_alive"):
+        ServerCosts(1e-4, 0.0, ((1, 1e-4),), keep_alive=-1.0)
+
+
 def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     from nano_scheduler.sim.profile import _checksum
 

@@ -14,7 +14,11 @@ connection at most (a streaming client holds a connection per request, so each r
 on a new one): a request is read the iteration after its connection is accepted and handled
 the one after that. While passes over many streams fill the iterations, connections wait to
 be accepted (measured: new requests waited 150-600 ms on an H200 whose front was 95-97% busy;
-a model that took each request in arrival order predicted 15 ms). Beside that work, a
+a model that took each request in arrival order predicted 15 ms). A client keeps a finished
+request's connection open (HTTP keep-alive) and sends its next request on it: read by the poll
+that finds it, handled the iteration after, never behind the connections waiting to be
+accepted (measured far above capacity: new connections waited up to 5.5 s to be accepted,
+while about as many requests a second as finished came in within 100 ms). Beside that work, a
 request validated takes a while more to reach the engine (``ServerCosts.hop``), and a pass
 begins with the outputs' relay (unpacked and handed to their streams) before its first
 chunk is written (``ServerCosts.relay``). With the engine in the
@@ -94,7 +98,10 @@ class ServerCosts:
     seconds, and per prompt token, from a request's handling to the engine having it (the
     front's sender thread, the pipe, the engine's command thread: a delay, in order, that
     keeps no event loop busy); ``relay``: the share of a pass spent before its first chunk
-    is written (the batch of outputs unpacked and handed to its streams)."""
+    is written (the batch of outputs unpacked and handed to its streams); ``keep_alive``:
+    the seconds a finished request's connection stays open for the client's next request
+    (``nano-engine serve --keep-alive-timeout``'s default and httpx's: 5; 0: every request
+    on a new connection)."""
 
     request: float
     prompt_token: float
@@ -106,12 +113,13 @@ class ServerCosts:
     hop: float = 0.0
     hop_token: float = 0.0
     relay: float = 0.0
+    keep_alive: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.relay <= 1.0:
             raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
         names = ("request", "prompt_token", "latency", "first_request", "busy", "hop")
-        for name in (*names, "hop_token"):
+        for name in (*names, "hop_token", "keep_alive"):
             if not getattr(self, name) >= 0:  # (NaN too)
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -144,6 +152,8 @@ class ServerHost:
         self.costs, self.receive = costs, receive
         self.busy_until = 0.0  # the event loop's work started so far ends here
         self._requests: deque[tuple[float, int, int]] = deque()  # (arrival, position, tokens)
+        self._backlog: deque[tuple[float, int, int]] = deque()  # new connections, to accept
+        self._idle: deque[float] = deque()  # kept-alive connections: since when idle
         self._publications: deque[tuple[float, list[tuple[int, bool]]]] = deque()
         self._accepted: deque[tuple[float, int]] = deque()  # (when the engine has it, position)
         self._first = True
@@ -184,7 +194,7 @@ class ServerHost:
         """No request is accepted before this time: the next one's arrival at the front,
         where none is further on its way (its outputs may be passed over later: the event
         loop's timeline does not depend on when it is run)."""
-        if self._accepted or self._to_read or self._to_handle:
+        if self._accepted or self._to_read or self._to_handle or self._backlog:
             return self._accepted[0][0] if self._accepted else self.busy_until
         return self._requests[0][0] if self._requests else math.inf
 
@@ -235,6 +245,23 @@ class ServerHost:
             if t < self._next:
                 self._next = max(t, self.busy_until)
 
+    def _poll(self, t: float, to_handle: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The requests that have come by the poll at ``t``: each on a kept-alive connection
+        read now (into ``to_handle``, for the next iteration), the others queued as new
+        connections, one of which is accepted (returned: read by the next iteration)."""
+        r, idle, backlog = self._requests, self._idle, self._backlog
+        keep = self.costs.keep_alive
+        while r and r[0][0] <= t:
+            request = r.popleft()
+            while idle and request[0] - idle[0] > keep:  # (closed meanwhile)
+                idle.popleft()
+            if idle and idle[0] <= request[0]:
+                idle.popleft()
+                to_handle.append(request[1:])
+            else:
+                backlog.append(request)
+        return [backlog.popleft()[1:]] if backlog else []
+
     def drain(self, t: float) -> float:
         """Run the event loop until it has sent everything; the time it is done."""
         while self._next < math.inf:
@@ -255,11 +282,12 @@ class ServerHost:
         if t < self._next:
             return
         r, p, c, receive = self._requests, self._publications, self.costs, self.receive
+        backlog, idle, keep = self._backlog, self._idle, c.keep_alive > 0
         passes = self._passes  # (a pass's cost by its streams, as asked)
         to_read, to_handle, to_pass = self._to_read, self._to_handle, self._to_pass
         busy = self.busy_until
         while True:
-            if to_read or to_handle or to_pass:
+            if to_read or to_handle or to_pass or backlog:  # (backlog: the next poll accepts)
                 start = busy
                 if start > t:
                     break
@@ -291,12 +319,12 @@ class ServerHost:
                 for seq_id, finished in to_pass:
                     when += each
                     receive(seq_id, when, finished)
+                    if finished and keep:  # (its connection, kept alive for the next)
+                        idle.append(when)
                 work += total
             busy = start + work  # (the poll, after the callbacks)
-            to_handle, to_read = to_read, []
-            if r and r[0][0] <= busy:
-                _, position, tokens = r.popleft()
-                to_read.append((position, tokens))
+            to_handle = to_read
+            to_read = self._poll(busy, to_handle)
             to_pass = _woken(p, busy)
         self._to_read, self._to_handle, self._to_pass = to_read, to_handle, to_pass
         self.busy_until, self._next = busy, start
