@@ -737,6 +737,58 @@ def test_a_kept_alive_connection_takes_the_clients_next_request_past_the_backlog
         ServerCosts(1e-4, 0.0, ((1, 1e-4),), keep_alive=-1.0)
 
 
+def test_the_passes_spread_is_measured_by_octave_around_the_fitted_mean():
+    """Each pass over the streams as measured over its mean by the number of streams, by
+    octave of that number: few streams' passes spread 0.5-1.5x, many streams' 0.9-1.1x; the
+    ratios' mean is 1, so the mean cost stays the fitted one."""
+    rng = random.Random(3)
+    records, cpu = [], 0.0
+    for i in range(2000):
+        r = StepRecord(t=i * 0.01, prefills=[], decodes=[8, 800, 100])
+        r.outputs = rng.choice([4, 5, 6, 7, 100, 110, 120])
+        if records:
+            wide = records[-1].outputs < 32
+            factor = rng.choice([0.5, 1.5]) if wide else rng.choice([0.9, 1.1])
+            cpu += 4e-5 * records[-1].outputs * factor
+        r.server_cpu_at = cpu
+        records.append(r)
+    costs = server_costs(records, {"workloads": [[0, len(records), 0, 0, 0.0, 0.0]]})
+    spread = dict(costs.spread)
+    assert sorted(spread) == [2, 6]  # (4-7 streams, 100-120)
+    for octave, (lo, hi) in ((2, (0.5, 1.5)), (6, (0.9, 1.1))):
+        ratios = spread[octave]
+        assert sum(ratios) / len(ratios) == pytest.approx(1.0)
+        assert min(ratios) == pytest.approx(lo, abs=0.1)
+        assert max(ratios) == pytest.approx(hi, abs=0.1)
+    assert costs.pass_ratios(1) == spread[2]  # (the nearest octave measured)
+    assert costs.pass_ratios(300) == spread[6]
+    assert ServerCosts(1e-4, 0.0, ((1, 1e-4),)).pass_ratios(64) == (1.0,)
+    with pytest.raises(ValueError, match="spread of octave 3"):
+        ServerCosts(1e-4, 0.0, ((1, 1e-4),), spread=((3, (1.0, 0.0)),))
+
+
+def test_a_pass_that_outlasts_the_next_step_merges_its_streams_tokens():
+    """Outputs published every 10 ms to 100 streams, a pass over them 9 ms on average: with
+    every pass at its mean, each stream gets a chunk a step; with passes spread around the
+    mean, the front now and then falls a step behind and sends two steps' tokens in one chunk
+    (fewer chunks than tokens, as a busy front's streams get), the same way every run."""
+
+    def chunks(spread: tuple) -> int:
+        received = []
+        costs = ServerCosts(1e-4, 0.0, ((1, 9e-5), (100, 9e-3)), own_process=True, spread=spread)
+        host = ServerHost(costs, lambda seq, t, done: received.append(seq))
+        for k in range(200):
+            host.publish(k * 0.01, [(seq, False) for seq in range(100)])
+        host.drain(2.0)
+        return len(received)
+
+    assert chunks(()) == 200 * 100
+    spread = ((6, (0.7, 1.3)),)
+    merged = chunks(spread)
+    assert 100 * 100 < merged < 200 * 100
+    assert chunks(spread) == merged
+
+
 def test_a_profile_from_before_the_workloads_sending_time_loads(profile_file):
     from nano_scheduler.sim.profile import _checksum
 

@@ -32,6 +32,7 @@ thread: it delays requests and outputs, never the loop.
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -101,7 +102,11 @@ class ServerCosts:
     is written (the batch of outputs unpacked and handed to its streams); ``keep_alive``:
     the seconds a finished request's connection stays open for the client's next request
     (``nano-engine serve --keep-alive-timeout``'s default and httpx's: 5; 0: every request
-    on a new connection)."""
+    on a new connection); ``spread``: what a pass over the streams took over its cost as
+    measured, by octave of streams ((octave, ratios of mean 1), from the profile's passes):
+    each pass costs its mean times a ratio drawn from its octave's (the nearest measured),
+    so that a pass sometimes outlasts the next step and merges its tokens, as the front's
+    do; none: every pass its mean."""
 
     request: float
     prompt_token: float
@@ -114,10 +119,14 @@ class ServerCosts:
     hop_token: float = 0.0
     relay: float = 0.0
     keep_alive: float = 5.0
+    spread: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.relay <= 1.0:
             raise ValueError(f"relay is a share of a pass, in [0, 1]; got {self.relay}")
+        for octave, ratios in self.spread:
+            if not ratios or not all(x > 0 and math.isfinite(x) for x in ratios):
+                raise ValueError(f"the passes' spread of octave {octave} must be ratios > 0")
         names = ("request", "prompt_token", "latency", "first_request", "busy", "hop")
         for name in (*names, "hop_token", "keep_alive"):
             if not getattr(self, name) >= 0:  # (NaN too)
@@ -142,6 +151,14 @@ class ServerCosts:
 
     def pass_seconds(self, streams: int) -> float:
         return self._passes(streams)
+
+    def pass_ratios(self, streams: int) -> tuple[float, ...]:
+        """The ratios a pass over ``streams`` streams draws from: its octave's, else the
+        nearest measured octave's; (1.0,) without a spread."""
+        if not self.spread:
+            return (1.0,)
+        octave = max(0, int(math.log2(max(1, streams))))
+        return min(self.spread, key=lambda item: abs(item[0] - octave))[1]
 
 
 class ServerHost:
@@ -168,6 +185,8 @@ class ServerHost:
         self._passes: dict[int, float] = {}
         self._next = math.inf  # when the event loop starts its next piece of work
         self._computing = False  # the loop thread has work to do (in ``cpu``)
+        self._rng = random.Random(0)  # (the passes' spread: drawn the same way each run)
+        self._ratios: dict[int, tuple[float, ...]] = {}
 
     # ---- what the simulator calls ------------------------------------------------------------
 
@@ -311,9 +330,14 @@ class ServerHost:
                 self._handed = max(self._handed, start + work + c.hop + c.hop_token * tokens)
                 self._accepted.append((self._handed, position))
             if to_pass:
-                total = passes.get(len(to_pass))
+                n = len(to_pass)
+                total = passes.get(n)
                 if total is None:
-                    total = passes[len(to_pass)] = c.pass_seconds(len(to_pass))
+                    total = passes[n] = c.pass_seconds(n)
+                    self._ratios[n] = c.pass_ratios(n)
+                ratios = self._ratios[n]
+                if len(ratios) > 1:
+                    total *= ratios[self._rng.randrange(len(ratios))]
                 each = total * (1.0 - c.relay) / len(to_pass)
                 when = start + work + c.latency + total * c.relay
                 for seq_id, finished in to_pass:
