@@ -75,7 +75,7 @@ def server_costs(records: list[StepRecord], server: dict) -> ServerCosts:
     )
 
 
-SPREAD_QUANTILES = 32  # ratios kept a octave of streams
+SPREAD_QUANTILES = 32  # ratios kept for each octave of streams
 
 
 def _spread(samples: list[tuple[int, float]], passes: Piecewise) -> tuple:
