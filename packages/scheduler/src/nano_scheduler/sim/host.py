@@ -182,11 +182,11 @@ class ServerHost:
         self._to_read: list[tuple[int, int]] = []
         self._to_handle: list[tuple[int, int]] = []
         self._to_pass: list[tuple[int, bool]] = []
-        self._passes: dict[int, float] = {}
+        # (a pass's mean cost and the ratios it draws from, by its streams, as asked)
+        self._passes: dict[int, tuple[float, tuple[float, ...]]] = {}
         self._next = math.inf  # when the event loop starts its next piece of work
         self._computing = False  # the loop thread has work to do (in ``cpu``)
         self._rng = random.Random(0)  # (the passes' spread: drawn the same way each run)
-        self._ratios: dict[int, tuple[float, ...]] = {}
 
     # ---- what the simulator calls ------------------------------------------------------------
 
@@ -302,7 +302,7 @@ class ServerHost:
             return
         r, p, c, receive = self._requests, self._publications, self.costs, self.receive
         backlog, idle, keep = self._backlog, self._idle, c.keep_alive > 0
-        passes = self._passes  # (a pass's cost by its streams, as asked)
+        passes = self._passes
         to_read, to_handle, to_pass = self._to_read, self._to_handle, self._to_pass
         busy = self.busy_until
         while True:
@@ -331,14 +331,12 @@ class ServerHost:
                 self._accepted.append((self._handed, position))
             if to_pass:
                 n = len(to_pass)
-                total = passes.get(n)
-                if total is None:
-                    total = passes[n] = c.pass_seconds(n)
-                    self._ratios[n] = c.pass_ratios(n)
-                ratios = self._ratios[n]
+                if n not in passes:
+                    passes[n] = (c.pass_seconds(n), c.pass_ratios(n))
+                total, ratios = passes[n]
                 if len(ratios) > 1:
                     total *= ratios[self._rng.randrange(len(ratios))]
-                each = total * (1.0 - c.relay) / len(to_pass)
+                each = total * (1.0 - c.relay) / n
                 when = start + work + c.latency + total * c.relay
                 for seq_id, finished in to_pass:
                     when += each
