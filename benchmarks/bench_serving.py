@@ -64,12 +64,18 @@ def main() -> None:
         help="cap prompt and output lengths (small test models)",
     )
     parser.add_argument("--vocab", type=int, default=10_000, help="prompt ids below this")
-    parser.add_argument("--max-connections", type=int, default=1024, help="per client process")
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        help="per client process (default: one for each of its requests)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=4, help="client processes")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    if args.max_connections is not None and args.max_connections < 1:
+        parser.error(f"--max-connections must be >= 1, got {args.max_connections}")
     requests = scale_arrivals(load_azure_trace(args.trace, args.limit), args.rate_scale)
     requests = [
         replace(

@@ -184,9 +184,7 @@ def serve_scenario(args, workdir: Path, name: str, trace: Path, rate: float, ove
     options = serve_options([*args.engine_args, *overrides], len(requests))
     log, output = workdir / "steps.jsonl", workdir / "server.log"
     with ServedEngine(args.model, options, log, output, "sim") as url:
-        # (a connection for each of a process's requests: far above capacity they all wait)
-        connections = -(-len(requests) // args.processes) + 8
-        target = Target(url, "sim", vocab=args.vocab, max_connections=connections, request_ids=name)
+        target = Target(url, "sim", vocab=args.vocab, request_ids=name)
         run = replay(target, requests, args.processes)
     records, gaps = run.nano_sim_records()
     timings = {t.id: t for t in read_step_log(log).requests}

@@ -122,7 +122,9 @@ class Target:
     api_key: str | None = None
     vocab: int = 10_000
     seed: int = 0
-    max_connections: int = 1024
+    # a client process's connections at most (None: one for each of its requests, as a
+    # stream holds its connection while it waits, however far above capacity)
+    max_connections: int | None = None
     request_ids: str | None = None  # send X-Request-Id "{request_ids}-{index}"
 
 
@@ -199,7 +201,9 @@ def _client_process(target, requests, part, processes, start) -> tuple[list[Clie
 async def _replay_part(target, requests, part, processes, start) -> list[ClientRecord]:
     import httpx
 
-    limits = httpx.Limits(max_connections=target.max_connections)
+    mine = range(part, len(requests), processes)
+    cap = target.max_connections
+    limits = httpx.Limits(max_connections=len(mine) + 8 if cap is None else cap)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
     async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
         # A client's first request costs it tens of milliseconds more than the next (httpx's
@@ -210,7 +214,7 @@ async def _replay_part(target, requests, part, processes, start) -> list[ClientR
         with contextlib.suppress(httpx.HTTPError):
             await client.get(f"{target.url}/health", timeout=10)
         tasks = []
-        for index in range(part, len(requests), processes):
+        for index in mine:
             r = requests[index]
             delay = start + r.arrival_time - time.monotonic()
             if delay > 0:

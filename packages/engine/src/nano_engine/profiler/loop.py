@@ -139,9 +139,8 @@ def server(
         workloads = [one, one, one, *sweep, *mixed]  # (a cold request first, then warm ones)
         largest = max(len(requests) for requests in workloads)
         options = serve_options(options, largest)  # (each request holds a connection)
-        connections = -(-largest // 4) + 8  # (and a client process one for each of its own)
         with ServedEngine(config.model, options, step_log, Path(tmp) / "out", "profile") as url:
-            target = Target(url, "profile", vocab=work.vocab, max_connections=connections)
+            target = Target(url, "profile", vocab=work.vocab)
             # spans: [start, end (monotonic), requests, prompt tokens, seconds they were sent over]
             replays, spans = [], []
             with client_pool(4) as clients:
